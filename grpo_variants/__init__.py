@@ -1,0 +1,62 @@
+"""grpo-variants: the GRPO family of critic-free RL algorithms on top of Hugging Face TRL.
+
+    from grpo_variants import GRPOVariantTrainer, GRPOVariantConfig, get_variant, toy
+
+Variants: grpo, dapo, dr_grpo, gspo, gspo_token, mu_grpo, igrpo, fipo (``list_variants()``).
+"""
+
+from grpo_variants.distributed import install_cpu_distributed_shim
+
+install_cpu_distributed_shim()  # no-op unless a launcher started us on a machine without CUDA
+
+from grpo_variants import toy  # noqa: E402
+from grpo_variants.config import GRPOVariantConfig
+from grpo_variants.errors import (
+    ConfigError,
+    DatasetError,
+    DynamicSamplingError,
+    GRPOVariantsError,
+    ModelPathError,
+    NonFiniteLossError,
+    RewardFunctionError,
+    UnknownLossError,
+    UnknownRewardError,
+    UnknownVariantError,
+)
+from grpo_variants.registry import VariantSpec, get_variant, list_variants, register_variant
+from grpo_variants.rewards.registry import get_reward, list_rewards, reward
+from grpo_variants.trainer import GRPOVariantTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GRPOVariantConfig",
+    "GRPOVariantTrainer",
+    "VariantSpec",
+    "get_variant",
+    "list_variants",
+    "register_variant",
+    "reward",
+    "get_reward",
+    "list_rewards",
+    "toy",
+    "ConfigError",
+    "DatasetError",
+    "DynamicSamplingError",
+    "GRPOVariantsError",
+    "ModelPathError",
+    "NonFiniteLossError",
+    "RewardFunctionError",
+    "UnknownLossError",
+    "UnknownRewardError",
+    "UnknownVariantError",
+]
+
+
+def __getattr__(name):
+    # Variant classes (DAPOTrainer, DAPOConfig, ...) are importable from the top level, loaded lazily.
+    import grpo_variants.variants as _variants
+
+    if hasattr(_variants, name):
+        return getattr(_variants, name)
+    raise AttributeError(f"module 'grpo_variants' has no attribute {name!r}")

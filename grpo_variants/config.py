@@ -1,0 +1,185 @@
+"""``GRPOVariantConfig``: TRL's ``GRPOConfig`` plus the fields that compose a variant's loss.
+
+A variant is mostly a config: its loss is built from the registered building blocks in
+:mod:`grpo_variants.losses` named by the fields below. Left at their defaults (``None``), the
+building blocks follow TRL's own fields (``loss_type``, ``scale_rewards``,
+``importance_sampling_level``, ``epsilon``/``epsilon_high``, ``delta``, ``beta``), so the base
+config behaves exactly like ``trl.GRPOConfig``.
+
+Two defaults differ from TRL, and only on machines without CUDA: ``bf16`` and
+``gradient_checkpointing`` resolve to ``False`` there (TRL turns both on, which makes tiny CPU runs
+slow or fail). Set them explicitly to override.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig
+
+from grpo_variants.errors import ConfigError
+
+# TRL loss_type -> our aggregation name (the loss types whose policy term we compose ourselves)
+TRL_LOSS_TYPE_TO_AGGREGATION = {
+    "grpo": "seq_mean_token_mean",
+    "bnpo": "token_mean_local",
+    "dr_grpo": "constant",
+    "dapo": "token_mean",
+}
+# TRL scale_rewards -> our advantage estimator name
+SCALE_REWARDS_TO_ADVANTAGE = {"group": "group_std", "none": "group_mean", "batch": "batch_std"}
+ADVANTAGE_TO_SCALE_REWARDS = {v: k for k, v in SCALE_REWARDS_TO_ADVANTAGE.items()}
+
+VETO_SCOPES = ("T", "S_kappa", "H_kappa", "S_seq")
+
+
+@dataclass
+class GRPOVariantConfig(GRPOConfig):
+    """Configuration of :class:`~grpo_variants.GRPOVariantTrainer` and every variant.
+
+    Every ``trl.GRPOConfig`` field is accepted. The extra fields select the loss building blocks
+    and our reliability features. ``None`` means "follow the corresponding TRL field".
+    """
+
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Gradient checkpointing. None: on with CUDA (TRL's default), off without CUDA."},
+    )
+    variant: str | None = field(
+        default=None, metadata={"help": "Name of the variant this config belongs to (set by variant configs)."}
+    )
+    # ---- loss composition -----------------------------------------------------------------
+    advantage_estimator: str | None = field(
+        default=None,
+        metadata={"help": "group_std | group_mean | batch_std. None follows `scale_rewards` (group/none/batch)."},
+    )
+    ratio_level: str | None = field(
+        default=None,
+        metadata={"help": "token | sequence | sequence_token. None follows `importance_sampling_level`."},
+    )
+    aggregation: str | None = field(
+        default=None,
+        metadata={
+            "help": "seq_mean_token_mean | token_mean | token_mean_local | seq_mean_token_sum | constant. "
+            "None follows `loss_type` (grpo, bnpo, dr_grpo, dapo)."
+        },
+    )
+    clip_ratio_c: float | None = field(
+        default=None, metadata={"help": "Dual-clip bound c (> 1) for negative advantages (verl's clip_ratio_c)."}
+    )
+    kl_estimator: str = field(default="k3", metadata={"help": "KL estimator: k1 | k2 | k3 (DeepSeekMath eq. 4)."})
+    kl_in_reward: bool = field(
+        default=False,
+        metadata={"help": "Subtract beta * sum_t KL_t from each reward instead of adding beta * KL_t to the loss."},
+    )
+    veto_scope: str | None = field(
+        default=None, metadata={"help": "µ-GRPO negative-advantage veto scope: T | S_kappa | H_kappa | S_seq | None."}
+    )
+    veto_threshold: float = field(
+        default=1e-4, metadata={"help": "Veto trigger: a token of an A<0 response whose ratio is below this."}
+    )
+    fipo: bool = field(default=False, metadata={"help": "Weight advantages with FIPO's future-KL factor."})
+    fipo_tau: float = field(default=32.0, metadata={"help": "FIPO half-life tau (gamma = 2^(-1/tau))."})
+    fipo_c: float = field(default=10.0, metadata={"help": "FIPO exclusion: tokens with delta > log c are excluded."})
+    fipo_clip_low: float = field(default=1.0, metadata={"help": "FIPO weight lower clip (1.0 = upward only)."})
+    fipo_clip_high: float = field(default=1.2, metadata={"help": "FIPO weight upper clip."})
+    fipo_safety_ratio: float = field(
+        default=10.0, metadata={"help": "FIPO safety: if A<0 and r > this, clamp the weight to [0.8, 1.0]."}
+    )
+    fipo_drop_multi_dual_clip: bool = field(
+        default=True,
+        metadata={"help": "FIPO: drop a response with more than one negative-advantage token in the dual-clip regime."},
+    )
+    # ---- rewards ---------------------------------------------------------------------------
+    reward_timeout: float | None = field(
+        default=60.0, metadata={"help": "Seconds one reward call may take before it is abandoned (None: no limit)."}
+    )
+    reward_isolation: str = field(
+        default="thread", metadata={"help": "How reward calls run: thread (timeout) | process (killable) | none."}
+    )
+    reward_on_error: str = field(
+        default="raise",
+        metadata={"help": "raise: a crashing reward stops training with a clear error; none: the value is missing."},
+    )
+    reward_cache: bool = field(
+        default=True, metadata={"help": "Score identical completions of a group once (deterministic rewards)."}
+    )
+    # ---- reliability -----------------------------------------------------------------------
+    save_on_signal: bool = field(
+        default=True, metadata={"help": "On SIGTERM/SIGINT, write a complete checkpoint before exiting."}
+    )
+    max_consecutive_nonfinite: int = field(
+        default=3,
+        metadata={"help": "Skip updates with a non-finite loss/grad; stop with an error after this many in a row."},
+    )
+
+    def __post_init__(self):
+        no_cuda = not torch.cuda.is_available()
+        if self.bf16 is None and no_cuda and not self.fp16:
+            self.bf16 = False
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = not no_cuda
+        super().__post_init__()
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        self._validate_variant_fields()
+
+    def _validate_variant_fields(self) -> None:
+        from grpo_variants.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS  # local: avoid import cycle
+
+        def check(name, value, allowed):
+            if value is not None and value not in allowed:
+                raise ConfigError(f"{name}={value!r} is not valid; choose one of {sorted(allowed)}.")
+
+        check("advantage_estimator", self.advantage_estimator, set(SCALE_REWARDS_TO_ADVANTAGE.values()))
+        check("ratio_level", self.ratio_level, set(RATIO_LEVELS))
+        check("aggregation", self.aggregation, set(AGGREGATIONS) | {"token_mean_local"})
+        check("kl_estimator", self.kl_estimator, set(KL_ESTIMATORS))
+        check("veto_scope", self.veto_scope, set(VETO_SCOPES))
+        check("reward_isolation", self.reward_isolation, {"thread", "process", "none"})
+        check("reward_on_error", self.reward_on_error, {"raise", "none"})
+        if self.advantage_estimator is not None:
+            self.scale_rewards = ADVANTAGE_TO_SCALE_REWARDS[self.advantage_estimator]
+        if self.epsilon_high < self.epsilon_low_value():
+            raise ConfigError(
+                f"epsilon_high ({self.epsilon_high}) < epsilon ({self.epsilon}): clip-higher needs "
+                "epsilon_high >= epsilon (eps_low). Swap them or set epsilon_high=None for a symmetric clip."
+            )
+        if self.epsilon < 0 or self.epsilon_high < 0:
+            raise ConfigError(f"epsilon ({self.epsilon}) and epsilon_high ({self.epsilon_high}) must be >= 0.")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ConfigError(f"clip_ratio_c ({self.clip_ratio_c}) must be > 1 (the dual-clip bound, e.g. 10).")
+        if not 0.0 < self.veto_threshold < 1.0:
+            raise ConfigError(f"veto_threshold ({self.veto_threshold}) must lie in (0, 1), e.g. 1e-4.")
+        if self.fipo and not (0 < self.fipo_clip_low <= 1.0 <= self.fipo_clip_high):
+            raise ConfigError(
+                f"fipo_clip_low ({self.fipo_clip_low}) and fipo_clip_high ({self.fipo_clip_high}) must satisfy "
+                "0 < low <= 1 <= high."
+            )
+        if self.fipo and self.fipo_tau <= 0:
+            raise ConfigError(f"fipo_tau ({self.fipo_tau}) must be > 0.")
+        if self.max_consecutive_nonfinite < 1:
+            raise ConfigError(f"max_consecutive_nonfinite ({self.max_consecutive_nonfinite}) must be >= 1.")
+        if self.kl_in_reward and self.beta == 0.0:
+            raise ConfigError("kl_in_reward=True needs beta > 0 (the KL coefficient subtracted from the reward).")
+
+    def epsilon_low_value(self) -> float:
+        return self.epsilon
+
+    # ---- derived composition ------------------------------------------------------------------
+    @property
+    def resolved_aggregation(self) -> str | None:
+        """The aggregation in force: ``aggregation`` or the one TRL's ``loss_type`` implies (None: TRL's own loss)."""
+        if self.aggregation is not None:
+            return self.aggregation
+        return TRL_LOSS_TYPE_TO_AGGREGATION.get(self.loss_type)
+
+    @property
+    def resolved_ratio_level(self) -> str:
+        return self.ratio_level or self.importance_sampling_level
+
+    @property
+    def resolved_advantage_estimator(self) -> str:
+        return SCALE_REWARDS_TO_ADVANTAGE[self.scale_rewards]
+

@@ -1,0 +1,720 @@
+"""Pure loss core of the GRPO family (advantages, ratios, clipping, aggregation, KL, veto, FIPO).
+
+In the style of verl's ``core_algos.py``: small pure tensor functions, each with its formula in
+the docstring, registered by name so configs select them. No trainer state, no accelerate, no
+globals besides the registries. The contract is ``/work/shared/spec/ALGORITHMS.md``.
+
+Shapes: ``B`` sequences, ``T`` completion tokens. ``mask`` is (B, T) with 0/1 values (float, long
+or bool). Log-probs are (B, T). ``advantages`` may be (B,), (B, 1) or (B, T) (per-token
+advantages, e.g. FIPO); every function normalises them with :func:`as_token_advantages`.
+
+Scaling for gradient accumulation and for data parallelism is the **caller's** job: every loss
+returned here is the loss of one micro-batch, normalised only as the aggregation mode says
+(see :func:`aggregate`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+
+from grpo_variants.errors import ConfigError, UnknownLossError
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "RATIO_LEVELS",
+    "VETO_SCOPES",
+    "LossOutput",
+    "LossSpec",
+    "SurrogateOutput",
+    "aggregate",
+    "aggregate_constant",
+    "aggregate_seq_mean_token_mean",
+    "aggregate_seq_mean_token_sum",
+    "aggregate_token_mean",
+    "as_token_advantages",
+    "batch_std_advantages",
+    "clipped_surrogate",
+    "compute_log_ratio",
+    "compute_policy_loss",
+    "discounted_future_sum",
+    "entropy_bonus",
+    "fipo_drop_mask",
+    "fipo_weights",
+    "get_advantage_estimator",
+    "get_aggregation",
+    "get_kl_estimator",
+    "group_mean_advantages",
+    "group_std_advantages",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalized_rewards",
+    "relaxed_clip_eps",
+    "sequence_log_ratio",
+    "sequence_token_log_ratio",
+    "token_log_ratio",
+    "veto_keep_mask",
+    "veto_triggers",
+]
+
+
+def _lookup(kind: str, name: str, registry: dict) -> Callable:
+    try:
+        return registry[name]
+    except (KeyError, TypeError):
+        valid = ", ".join(repr(k) for k in registry)
+        raise UnknownLossError(f"Unknown {kind} {name!r}. Valid names: {valid}.") from None
+
+
+def as_token_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """Return advantages shaped to broadcast against (B, T): (B,) -> (B, 1); (B, 1) and (B, T) unchanged."""
+    if advantages.dim() == 1:
+        return advantages.unsqueeze(1)
+    if advantages.dim() != 2:
+        raise ValueError(f"advantages must be (B,), (B, 1) or (B, T); got shape {tuple(advantages.shape)}.")
+    return advantages
+
+
+def _float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """0/1 mask (float, long or bool) as a float tensor of ``like``'s dtype."""
+    return mask.to(like.dtype) if mask.is_floating_point() else (mask > 0).to(like.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ConfigError(f"group_size must be a positive integer; got {group_size!r}.")
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ConfigError(
+            f"rewards must be a flat tensor whose length ({rewards.numel()}) is a multiple of group_size "
+            f"({group_size}); got shape {tuple(rewards.shape)}."
+        )
+    return rewards.view(-1, group_size)
+
+
+def _nanstd(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased std ignoring NaNs (TRL 1.16 ``nanstd``): NaN where fewer than two values are non-NaN."""
+    if dim is None:
+        x = x.reshape(-1)
+        dim = 0
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True).to(x.dtype)
+    var = var * torch.where(count > 1, count / (count - 1), torch.full_like(count, float("nan")))
+    std = var.sqrt()
+    return std if keepdim else std.squeeze(dim)
+
+
+def group_std_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantage: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased.
+
+    ``rewards`` is flat (N,), ordered in consecutive groups of ``group_size``. NaN rewards
+    (unscorable completions) are ignored in the group mean and std (nanmean, nan-aware unbiased
+    std) and get advantage 0, as in TRL 1.16. A group whose std is 0 gets A = 0 exactly (R - mean
+    = 0); a group with fewer than two scorable rewards also gets 0 (its std is undefined).
+    """
+    g = _grouped(rewards, group_size)
+    mean = torch.nanmean(g, dim=1, keepdim=True)
+    std = _nanstd(g, dim=1, keepdim=True)
+    return torch.nan_to_num((g - mean) / (std + eps), nan=0.0).reshape(-1)
+
+
+def group_mean_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dr.GRPO advantage: A_i = R_i - mean_g R (NaN rewards ignored in the mean, advantage 0)."""
+    g = _grouped(rewards, group_size)
+    return torch.nan_to_num(g - torch.nanmean(g, dim=1, keepdim=True), nan=0.0).reshape(-1)
+
+
+def batch_std_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """TRL ``scale_rewards="batch"``: A_i = (R_i - mean_g R) / (std_batch R + eps).
+
+    Group mean, unbiased nan-aware std over the whole batch; NaN rewards get 0. A batch with
+    fewer than two scorable rewards gives A = 0 everywhere.
+    """
+    g = _grouped(rewards, group_size)
+    std = _nanstd(rewards)
+    return torch.nan_to_num((g - torch.nanmean(g, dim=1, keepdim=True)) / (std + eps), nan=0.0).reshape(-1)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "group_std": group_std_advantages,
+    "group_mean": group_mean_advantages,
+    "batch_std": batch_std_advantages,
+}
+
+
+def get_advantage_estimator(name: str) -> Callable[..., torch.Tensor]:
+    """Return the advantage estimator registered under ``name`` (see ``ADVANTAGE_ESTIMATORS``)."""
+    return _lookup("advantage estimator", name, ADVANTAGE_ESTIMATORS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Importance ratios (log space)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Token level: log r_{i,t} = log pi_theta - log pi_old, (B, T). ``mask`` is ignored."""
+    return logp - old_logp
+
+
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO: log s_i = sum_t M (logp - old) / max(sum_t M, 1), shape (B, 1) (log of the geometric mean)."""
+    m = _float_mask(mask, logp)
+    return (((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+
+def sequence_token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO-token: log s_{i,t} = sg(log s_i) + logp_t - sg(logp_t), shape (B, T).
+
+    Same value as the sequence log-ratio broadcast over tokens; the gradient flows per token
+    (d log s_{i,t} / d logp_t = 1, and 0 for every other token).
+    """
+    seq = sequence_log_ratio(logp, old_logp, mask).detach()
+    return seq + logp - logp.detach()
+
+
+RATIO_LEVELS: dict[str, Callable[..., torch.Tensor]] = {
+    "token": token_log_ratio,
+    "sequence": sequence_log_ratio,
+    "sequence_token": sequence_token_log_ratio,
+}
+
+
+def compute_log_ratio(level: str, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Dispatch to the log-ratio registered under ``level`` ("token", "sequence", "sequence_token")."""
+    return _lookup("ratio level", level, RATIO_LEVELS)(logp, old_logp, mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Clipped surrogate
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class SurrogateOutput(NamedTuple):
+    """Per-token PPO loss and where each clip was active (bool masks of ``per_token_loss``'s shape)."""
+
+    per_token_loss: torch.Tensor
+    is_low_clipped: torch.Tensor
+    is_high_clipped: torch.Tensor
+    is_dual_clipped: torch.Tensor
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float | None = None,
+    ratio_cap: float | None = None,
+) -> SurrogateOutput:
+    """PPO clipped surrogate with optional two-sided cap and dual clip.
+
+    l = -min(r' A, clip(r, 1 - eps_low, 1 + eps_high) A), with r' = min(r, ratio_cap) (TRL's
+    ``delta``, applied to the unclipped branch only) or r' = r when ``ratio_cap`` is None.
+    Dual clip (verl ``clip_ratio_c`` = c > 1): for A < 0, l = min(l, -c A).
+
+    Masks (TRL's definitions, bounds excluded): low-clipped = r < 1 - eps_low and A < 0;
+    high-clipped = r > 1 + eps_high and A > 0; dual-clipped = A < 0 and -c A < l strictly.
+    At exactly r = 1 - eps_low or 1 + eps_high nothing counts as clipped and, per torch.clamp's
+    inclusive-bound gradient, the gradient is the unclipped -A.
+    """
+    adv = as_token_advantages(advantages)
+    unclipped = ratio if ratio_cap is None else torch.clamp(ratio, max=ratio_cap)
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = -torch.min(unclipped * adv, clipped * adv)
+    shape = loss.shape
+    is_low = ((ratio < 1.0 - eps_low) & (adv < 0)).expand(shape)
+    is_high = ((ratio > 1.0 + eps_high) & (adv > 0)).expand(shape)
+    if clip_ratio_c is not None:
+        bound = -clip_ratio_c * adv
+        is_dual = ((adv < 0) & (bound < loss)).expand(shape)
+        loss = torch.where(adv < 0, torch.min(loss, bound), loss)
+    else:
+        is_dual = torch.zeros(shape, dtype=torch.bool, device=loss.device)
+    return SurrogateOutput(loss, is_low, is_high, is_dual)
+
+
+def relaxed_clip_eps(lower: float, upper: float) -> tuple[float, float]:
+    """µ-GRPO relaxed ratio bounds [lower, upper] -> (eps_low, eps_high) = (1 - lower, upper - 1).
+
+    Requires 0 <= lower < 1 < upper (the paper's ablation uses [0, 5] -> (1, 4)).
+    """
+    if not (0.0 <= lower < 1.0):
+        raise ConfigError(f"mu_clip_lower must satisfy 0 <= mu_clip_lower < 1; got {lower!r}.")
+    if not (upper > 1.0):
+        raise ConfigError(f"mu_clip_upper must be > 1; got {upper!r}.")
+    return 1.0 - lower, upper - 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _masked(per_token_loss: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = _float_mask(mask, per_token_loss)
+    return per_token_loss * m, m  # broadcasts a (B, 1) sequence-level loss to (B, T)
+
+
+def aggregate_seq_mean_token_mean(per_token_loss, mask, *, num_items=None, max_completion_length=None):
+    """mean_i [ sum_t M l / max(sum_t M, 1) ] (GRPO, GSPO; TRL ``grpo``).
+
+    Fully masked rows contribute 0 but still count in the mean over i. A (B, 1) sequence-level
+    loss gives exactly mean_i l_i over rows with at least one token.
+    """
+    ml, m = _masked(per_token_loss, mask)
+    return (ml.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+
+
+def aggregate_token_mean(per_token_loss, mask, *, num_items=None, max_completion_length=None):
+    """sum_{i,t} M l / N (DAPO token-level loss).
+
+    N = ``num_items``, the caller's normaliser; for DAPO's global token mean it must be the
+    token count of the whole optimisation batch expressed per micro-batch, e.g. TRL's
+    num_items_in_batch / num_processes * grad_accum_steps / steps_per_generation (so that DDP's
+    gradient averaging and accumulation's summing give the global token mean). N is clamped at 1.
+    With ``num_items=None`` N = max(sum M, 1) over this micro-batch (TRL ``bnpo``).
+    """
+    ml, m = _masked(per_token_loss, mask)
+    if num_items is None:
+        denom = m.sum().clamp(min=1.0)
+    elif isinstance(num_items, torch.Tensor):
+        denom = num_items.to(ml.dtype).clamp(min=1.0)
+    else:
+        denom = max(float(num_items), 1.0)
+    return ml.sum() / denom
+
+
+def aggregate_seq_mean_token_sum(per_token_loss, mask, *, num_items=None, max_completion_length=None):
+    """mean_i sum_t M l (sequence sum, batch mean; TRL ``luspo``)."""
+    ml, _ = _masked(per_token_loss, mask)
+    return ml.sum(-1).mean()
+
+
+def aggregate_constant(per_token_loss, mask, *, num_items=None, max_completion_length=None):
+    """Dr.GRPO: sum_{i,t} M l / (B * L), L = ``max_completion_length`` (required)."""
+    if max_completion_length is None or max_completion_length <= 0:
+        raise ConfigError(
+            f"aggregation 'constant' needs a positive max_completion_length; got {max_completion_length!r}."
+        )
+    ml, m = _masked(per_token_loss, mask)
+    return ml.sum() / (m.shape[0] * max_completion_length)
+
+
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "seq_mean_token_mean": aggregate_seq_mean_token_mean,
+    "token_mean": aggregate_token_mean,
+    "seq_mean_token_sum": aggregate_seq_mean_token_sum,
+    "constant": aggregate_constant,
+}
+
+
+def get_aggregation(name: str) -> Callable[..., torch.Tensor]:
+    """Return the aggregation registered under ``name`` (see ``AGGREGATIONS``)."""
+    return _lookup("aggregation", name, AGGREGATIONS)
+
+
+def aggregate(per_token_loss, mask, mode: str, *, num_items=None, max_completion_length=None) -> torch.Tensor:
+    """Reduce a (B, T) or (B, 1) loss to a scalar with the aggregation ``mode``.
+
+    Gradient-accumulation and multi-process scaling are NOT applied: the caller divides by the
+    accumulation steps (except for ``token_mean`` with a window-global ``num_items``).
+    """
+    fn = get_aggregation(mode)
+    return fn(per_token_loss, mask, num_items=num_items, max_completion_length=max_completion_length)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KL to the reference policy (per token)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log pi - log pi_ref."""
+    return logp - ref_logp
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = 0.5 (log pi - log pi_ref)^2."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 (DeepSeekMath eq. 4) = pi_ref/pi - log(pi_ref/pi) - 1 = exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+}
+
+
+def get_kl_estimator(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Return the KL estimator registered under ``name`` ("k1", "k2", "k3")."""
+    return _lookup("KL estimator", name, KL_ESTIMATORS)
+
+
+def kl_penalized_rewards(
+    rewards: torch.Tensor, kl_per_token: torch.Tensor, mask: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """KL in the reward: R'_i = R_i - beta * sum_t M_{i,t} kl_{i,t}, shape (B,).
+
+    The KL is detached: rewards carry no gradient.
+    """
+    kl = kl_per_token.detach()
+    return rewards - beta * (kl * _float_mask(mask, kl)).sum(-1).to(rewards.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# µ-GRPO negative-advantage veto
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def veto_triggers(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, threshold: float = 1e-4
+) -> torch.Tensor:
+    """Trigger tokens, bool (B, T): M & (r < threshold) & (A < 0); ``r`` = pi_theta / pi_behav per token."""
+    adv = as_token_advantages(advantages)
+    return ((mask > 0) & (ratio.detach() < threshold) & (adv < 0)).expand(mask.shape)
+
+
+def _first_trigger(triggers: torch.Tensor) -> torch.Tensor:
+    """kappa_i = index of the first trigger of row i, T if the row has none; shape (B, 1)."""
+    T = triggers.shape[-1]
+    pos = torch.arange(T, device=triggers.device).expand_as(triggers)
+    return torch.where(triggers, pos, torch.full_like(pos, T)).min(-1, keepdim=True).values
+
+
+def _positions(triggers: torch.Tensor) -> torch.Tensor:
+    return torch.arange(triggers.shape[-1], device=triggers.device).unsqueeze(0)
+
+
+def _veto_trigger_only(triggers: torch.Tensor) -> torch.Tensor:
+    """T: drop the trigger tokens only."""
+    return ~triggers
+
+
+def _veto_suffix(triggers: torch.Tensor) -> torch.Tensor:
+    """S_kappa: drop every position t >= kappa (the suffix from the first trigger, triggers included)."""
+    return _positions(triggers) < _first_trigger(triggers)
+
+
+def _veto_harmful(triggers: torch.Tensor) -> torch.Tensor:
+    """H_kappa = S_kappa \\ T: drop positions t >= kappa that are not triggers (triggers keep their gradient)."""
+    return (_positions(triggers) < _first_trigger(triggers)) | triggers
+
+
+def _veto_sequence(triggers: torch.Tensor) -> torch.Tensor:
+    """S_seq: drop the whole row if it has any trigger."""
+    return (~triggers.any(-1, keepdim=True)).expand_as(triggers)
+
+
+VETO_SCOPES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "T": _veto_trigger_only,
+    "S_kappa": _veto_suffix,
+    "H_kappa": _veto_harmful,
+    "S_seq": _veto_sequence,
+}
+
+
+def veto_keep_mask(triggers: torch.Tensor, mask: torch.Tensor, scope: str = "H_kappa") -> torch.Tensor:
+    """µ-GRPO keep mask, float (B, T): 1 = the token keeps its gradient, 0 = vetoed.
+
+    kappa = first trigger position of the row. Scopes: "T" drops triggers only; "S_kappa" drops
+    every position >= kappa (the suffix starting AT the first trigger, triggers included, so that
+    T ⊂ S_kappa and H_kappa = S_kappa \\ T); "H_kappa" (default, the paper's critical harmful set)
+    drops positions >= kappa that are not triggers; "S_seq" drops the whole row. Rows without a
+    trigger keep everything; since triggers need A < 0, A >= 0 rows are never vetoed. Positions
+    with M = 0 are reported as kept (1): the veto only removes trained tokens.
+    """
+    fn = _lookup("veto scope", scope, VETO_SCOPES)
+    m = mask > 0
+    keep = fn(triggers.bool() & m) | ~m
+    return keep.to(torch.float32 if not mask.is_floating_point() else mask.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FIPO future-KL weights
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def discounted_future_sum(x: torch.Tensor, gamma: float, chunk_size: int = 256) -> torch.Tensor:
+    """y_t = sum_{k >= t} gamma^(k - t) x_k along the last dim of a (B, T) tensor, vectorised.
+
+    Two-level: a (C, C) upper-triangular gamma matrix within chunks of ``chunk_size`` tokens, and
+    an (n_chunks, n_chunks) matrix of gamma^C powers to carry the sum across chunks (memory
+    O(B T + C^2 + (T/C)^2), no Python loop over tokens, only powers gamma^n <= 1, so no overflow).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be (B, T); got shape {tuple(x.shape)}.")
+    B, T = x.shape
+    if T == 0:
+        return x.clone()
+    C = max(1, min(int(chunk_size), T))
+    n = -(-T // C)
+    xp = torch.nn.functional.pad(x, (0, n * C - T))
+    g = torch.tensor(gamma, dtype=torch.float64, device=x.device)
+    idx = torch.arange(C, device=x.device)
+    diff = idx.unsqueeze(0) - idx.unsqueeze(1)  # [t, k] = k - t
+    W = torch.where(diff >= 0, g ** diff.clamp(min=0), torch.zeros((), dtype=torch.float64, device=x.device))
+    local = xp.view(B, n, C) @ W.T.to(x.dtype)  # local[b, j, t] = sum_{k in chunk j, k >= t} gamma^(k-t) x_k
+    if n == 1:
+        return local.view(B, -1)[:, :T]
+    jdx = torch.arange(n, device=x.device)
+    jd = jdx.unsqueeze(0) - jdx.unsqueeze(1)
+    V = torch.where(jd >= 0, (g**C) ** jd.clamp(min=0), torch.zeros((), dtype=torch.float64, device=x.device))
+    starts = local[..., 0] @ V.T.to(x.dtype)  # y at each chunk start
+    nxt = torch.cat([starts[:, 1:], starts.new_zeros(B, 1)], dim=1)  # y at the next chunk's start
+    tail = (g ** (C - idx)).to(x.dtype)  # gamma^(distance from t to the next chunk start)
+    return (local + nxt.unsqueeze(-1) * tail).view(B, -1)[:, :T]
+
+
+@torch.no_grad()
+def fipo_weights(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    ratio: torch.Tensor | None = None,
+    tau: float = 32.0,
+    c: float = 10.0,
+    clip_low: float = 1.0,
+    clip_high: float = 1.2,
+    safety_ratio: float = 10.0,
+) -> torch.Tensor:
+    """FIPO future-KL weights f_t (detached, (B, T)).
+
+    delta_t = clamp(logp - old, -20, 20); M'_t = M_t * [delta_t <= log c]; gamma = 2^(-1/tau);
+    FutureKL_t = sum_{k >= t} gamma^(k-t) M'_k delta_k (includes t);
+    f_t = clip(exp(FutureKL_t), clip_low, clip_high) (clip_low = 1.0 upward-only, 0.8 symmetric);
+    safety: where A < 0 and r > safety_ratio, f_t = clamp(f_t, 0.8, 1.0). ``r`` is the token
+    ratio (``ratio`` if given, else exp(logp - old)). Positions with M = 0 get f = 1.
+    """
+    work = torch.promote_types(logp.dtype, torch.float32)
+    delta = (logp.detach() - old_logp.detach()).to(work).clamp(-20.0, 20.0)
+    m = mask > 0
+    keep = m & (delta <= math.log(c))
+    future = discounted_future_sum(torch.where(keep, delta, torch.zeros_like(delta)), 2.0 ** (-1.0 / tau))
+    f = torch.exp(future).clamp(clip_low, clip_high)
+    r = torch.exp(logp.detach().to(work) - old_logp.detach().to(work)) if ratio is None else ratio.detach()
+    unsafe = (as_token_advantages(advantages) < 0) & (r > safety_ratio)
+    f = torch.where(unsafe, f.clamp(0.8, 1.0), f)
+    return torch.where(m, f, torch.ones_like(f)).to(logp.dtype)
+
+
+def fipo_drop_mask(is_dual_clipped: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """FIPO response drop, float keep mask (B, 1): 0 for a response with more than one
+    negative-advantage trained token in the dual-clip regime, i.e. sum_t M [dual_t and A_t < 0] > 1."""
+    adv = as_token_advantages(advantages)
+    bad = (is_dual_clipped & (adv < 0)).expand(mask.shape) & (mask > 0)
+    keep = bad.sum(-1, keepdim=True) <= 1
+    return keep.to(torch.float32 if not mask.is_floating_point() else mask.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entropy
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked mean entropy sum M H / max(sum M, 1); the loss subtracts ``entropy_coef`` times it."""
+    m = _float_mask(mask, entropies)
+    return (entropies * m).sum() / m.sum().clamp(min=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Composition
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LossSpec:
+    """Which building blocks :func:`compute_policy_loss` composes. Defaults = TRL ``grpo`` with beta = 0."""
+
+    ratio_level: str = "token"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    clip_ratio_c: float | None = None
+    ratio_cap: float | None = None
+    aggregation: str = "seq_mean_token_mean"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_ratio_correction: bool = False  # TRL's use_bias_correction_kl: KL_t * r (unbiased reverse-KL gradient)
+    veto_scope: str | None = None
+    veto_threshold: float = 1e-4
+    fipo: bool = False
+    fipo_tau: float = 32.0
+    fipo_c: float = 10.0
+    fipo_clip_low: float = 1.0
+    fipo_clip_high: float = 1.2
+    fipo_safety_ratio: float = 10.0
+    fipo_drop_multi_dual_clip: bool = True
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        _lookup("ratio level", self.ratio_level, RATIO_LEVELS)
+        _lookup("aggregation", self.aggregation, AGGREGATIONS)
+        _lookup("KL estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.veto_scope is not None:
+            _lookup("veto scope", self.veto_scope, VETO_SCOPES)
+
+        def bad(name: str, rule: str) -> None:
+            raise ConfigError(f"{name} must be {rule}; got {getattr(self, name)!r}.")
+
+        if not 0.0 <= self.eps_low <= 1.0:
+            bad("eps_low", "in [0, 1] (the lower ratio bound 1 - eps_low must be >= 0)")
+        if not self.eps_high >= 0.0:
+            bad("eps_high", ">= 0")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            bad("clip_ratio_c", "None or > 1")
+        if self.ratio_cap is not None and not self.ratio_cap > 1.0 + self.eps_high:
+            bad("ratio_cap", f"None or > 1 + eps_high = {1.0 + self.eps_high}")
+        if not self.beta >= 0.0:
+            bad("beta", ">= 0")
+        if not self.veto_threshold > 0.0:
+            bad("veto_threshold", "> 0")
+        if not self.fipo_tau > 0.0:
+            bad("fipo_tau", "> 0")
+        if not self.fipo_c > 0.0:
+            bad("fipo_c", "> 0")
+        if not 0.0 <= self.fipo_clip_low <= self.fipo_clip_high:
+            bad("fipo_clip_low", f"in [0, fipo_clip_high = {self.fipo_clip_high}]")
+        if not self.fipo_safety_ratio > 0.0:
+            bad("fipo_safety_ratio", "> 0")
+
+
+@dataclass
+class LossOutput:
+    """``loss``: scalar, aggregated, before any grad-accumulation scaling; ``per_token_loss``: (B, T)
+    final per-token loss that was aggregated; ``stats``: detached tensors for metrics."""
+
+    loss: torch.Tensor
+    per_token_loss: torch.Tensor
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def compute_policy_loss(
+    spec: LossSpec,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    entropies: torch.Tensor | None = None,
+    num_items=None,
+    max_completion_length: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> LossOutput:
+    """Policy loss of one micro-batch.
+
+    Order: log-ratio at ``spec.ratio_level`` -> r = exp(.) -> (FIPO: A_t = A f_t) -> clipped
+    surrogate with cap / dual clip -> (FIPO: drop responses with > 1 dual-clipped negative token)
+    -> (veto: multiply by the µ-GRPO keep mask) -> + beta * kl_t -> aggregate -> - entropy_coef *
+    entropy_bonus. ``token_weights`` ((B, T) or (B, 1), optional) multiplies the policy term after
+    the veto and before the KL, in TRL's order (off-policy sequence mask, high-entropy token mask,
+    vLLM importance-sampling ratio). ``old_logp=None`` means on-policy (old = sg(logp)), as in TRL.
+
+    Veto triggers and FIPO's delta / safety ratio always use the TOKEN ratio pi_theta / pi_old,
+    whatever ``ratio_level``. The veto and the FIPO drop only remove the policy-gradient term; the
+    KL term (beta > 0) still acts on those tokens. The entropy bonus uses ``mask``.
+
+    Stats (detached): ``ratio`` ((B, T) or (B, 1)), ``is_low_clipped``, ``is_high_clipped``,
+    ``is_dual_clipped`` (bool, shape of the surrogate), ``is_capped`` (A < 0 and r > ratio_cap: zero
+    gradient from the cap), ``veto_triggers`` / ``vetoed`` (bool (B, T); all False when the veto is
+    off), ``fipo_weights`` and ``fipo_dropped`` ((B, 1) bool) if ``spec.fipo``, ``kl`` if beta > 0,
+    and ``useful`` (bool (B, T)): trained tokens whose POLICY-GRADIENT term is non-zero, i.e.
+    M & not low/high/dual-clipped & not capped & not vetoed & not FIPO-dropped & A != 0. With
+    beta > 0 a token outside ``useful`` (e.g. A = 0) still gets the KL gradient.
+    """
+    if old_logp is None:
+        old_logp = logp.detach()
+    adv = as_token_advantages(advantages).to(logp.dtype)
+    m = _float_mask(mask, logp)
+    mb = mask > 0
+    stats: dict[str, torch.Tensor] = {}
+
+    log_ratio = compute_log_ratio(spec.ratio_level, logp, old_logp, mask)
+    ratio = torch.exp(log_ratio)
+    stats["ratio"] = ratio.detach()
+    token_ratio = torch.exp((logp - old_logp).detach())
+
+    if spec.fipo:
+        f = fipo_weights(
+            logp, old_logp, mask, adv, ratio=token_ratio, tau=spec.fipo_tau, c=spec.fipo_c,
+            clip_low=spec.fipo_clip_low, clip_high=spec.fipo_clip_high, safety_ratio=spec.fipo_safety_ratio,
+        )
+        stats["fipo_weights"] = f
+        adv = adv * f
+
+    sur = clipped_surrogate(ratio, adv, spec.eps_low, spec.eps_high, spec.clip_ratio_c, spec.ratio_cap)
+    per_token_loss = sur.per_token_loss
+    stats["is_low_clipped"] = sur.is_low_clipped
+    stats["is_high_clipped"] = sur.is_high_clipped
+    stats["is_dual_clipped"] = sur.is_dual_clipped
+    if spec.ratio_cap is not None:
+        capped = ((ratio.detach() > spec.ratio_cap) & (adv < 0)).expand(per_token_loss.shape)
+    else:
+        capped = torch.zeros(per_token_loss.shape, dtype=torch.bool, device=logp.device)
+    stats["is_capped"] = capped
+    dead = sur.is_low_clipped | sur.is_high_clipped | sur.is_dual_clipped | capped | (adv == 0)
+
+    keep = torch.ones_like(m)
+    if spec.fipo:
+        if spec.fipo_drop_multi_dual_clip:
+            drop_keep = fipo_drop_mask(sur.is_dual_clipped, adv, mask).to(m.dtype)
+        else:
+            drop_keep = torch.ones(m.shape[0], 1, dtype=m.dtype, device=m.device)
+        stats["fipo_dropped"] = drop_keep == 0
+        per_token_loss = per_token_loss * drop_keep
+        keep = keep * drop_keep
+
+    if spec.veto_scope is not None:
+        triggers = veto_triggers(token_ratio, as_token_advantages(advantages), mask, spec.veto_threshold)
+        veto_keep = veto_keep_mask(triggers, mask, spec.veto_scope).to(m.dtype)
+        per_token_loss = per_token_loss * veto_keep
+        keep = keep * veto_keep
+        stats["veto_triggers"] = triggers
+        stats["vetoed"] = mb & (veto_keep == 0)
+    else:
+        stats["veto_triggers"] = torch.zeros(mask.shape, dtype=torch.bool, device=logp.device)
+        stats["vetoed"] = torch.zeros(mask.shape, dtype=torch.bool, device=logp.device)
+
+    if token_weights is not None:
+        token_weights = token_weights.to(per_token_loss.dtype)
+        per_token_loss = per_token_loss * token_weights
+        keep = keep * (token_weights.detach() != 0).to(keep.dtype)
+    per_token_loss = per_token_loss.expand(m.shape) if per_token_loss.shape != m.shape else per_token_loss
+    if spec.beta != 0.0:
+        if ref_logp is None:
+            raise ConfigError("beta > 0 needs ref_logp (the reference model's per-token log-probs).")
+        kl = get_kl_estimator(spec.kl_estimator)(logp, ref_logp)
+        stats["kl"] = kl.detach()
+        if spec.kl_ratio_correction:  # DeepSeek-V3.2 / TRL use_bias_correction_kl: weight by the (live) ratio
+            kl = kl * ratio
+        per_token_loss = per_token_loss + spec.beta * kl
+
+    loss = aggregate(
+        per_token_loss, mask, spec.aggregation, num_items=num_items, max_completion_length=max_completion_length
+    )
+    if spec.entropy_coef != 0.0:
+        if entropies is None:
+            raise ConfigError("entropy_coef != 0 needs entropies (per-token entropies of the policy).")
+        loss = loss - spec.entropy_coef * entropy_bonus(entropies, mask)
+
+    stats["useful"] = (mb & ~dead.expand(m.shape) & (keep > 0).expand(m.shape)).detach()
+    return LossOutput(loss=loss, per_token_loss=per_token_loss, stats=stats)

@@ -1,0 +1,63 @@
+"""Variant registry: names ("grpo", "dapo", ...) -> trainer and config classes.
+
+``get_variant("dapo")`` returns a :class:`VariantSpec` whose ``trainer_cls`` / ``config_cls`` the
+CLI, the lab and user code instantiate. Variants register themselves with
+:func:`register_variant` on their trainer class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grpo_variants.errors import UnknownVariantError
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    name: str
+    trainer_cls: type
+    config_cls: type
+    description: str
+    paper: str
+
+
+_VARIANTS: dict[str, VariantSpec] = {}
+
+
+def register_variant(name: str, *, description: str, paper: str = ""):
+    """Class decorator for a trainer subclass that has a ``config_class`` attribute."""
+
+    def decorator(trainer_cls):
+        trainer_cls.variant_name = name
+        _VARIANTS[name] = VariantSpec(
+            name=name,
+            trainer_cls=trainer_cls,
+            config_cls=trainer_cls.config_class,
+            description=description,
+            paper=paper,
+        )
+        return trainer_cls
+
+    return decorator
+
+
+def _load_builtins() -> None:
+    import grpo_variants.variants  # noqa: F401  (importing registers every built-in variant)
+
+
+def get_variant(name: str) -> VariantSpec:
+    """The registered variant ``name``; :class:`UnknownVariantError` lists the known names otherwise."""
+    _load_builtins()
+    key = name.strip().lower().replace("-", "_").replace("µ", "mu").replace("μ", "mu")
+    if key not in _VARIANTS:
+        raise UnknownVariantError(
+            f"Unknown variant {name!r}. Registered variants: {', '.join(sorted(_VARIANTS))}. "
+            "Register a new one with @grpo_variants.register_variant('name', description=...)."
+        )
+    return _VARIANTS[key]
+
+
+def list_variants() -> list[VariantSpec]:
+    """All registered variants, sorted by name."""
+    _load_builtins()
+    return [_VARIANTS[k] for k in sorted(_VARIANTS)]

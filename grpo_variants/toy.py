@@ -1,0 +1,488 @@
+"""The offline toy kit: a tokenizer, a tiny Qwen2 model and verifiable arithmetic tasks.
+
+Nothing here touches the network. Everything is saved to disk and loaded back by path with
+``from_pretrained``, exactly as a user loads a hub model, so the demo, the notebooks, the tests
+and the benchmarks exercise the real loading code::
+
+    from grpo_variants import toy
+    kit = toy.prepare()                      # cached after the first call (about 30-60 s on CPU)
+    kit.model_path                           # a folder: AutoModelForCausalLM.from_pretrained(kit.model_path)
+    kit.train_dataset, kit.eval_dataset      # datasets.Dataset with "prompt", "answer", "difficulty"
+    toy.evaluate(kit.model_path, kit.eval_dataset)   # held-out greedy accuracy
+
+The task: ``"37+45="`` -> ``"82"`` + EOS (and ``"91-45="`` -> ``"46"`` for subtraction). The
+reward ``toy_accuracy`` gives +1 when the leading digits of the completion equal the gold
+answer, else 0 (or -1 with ``make_toy_accuracy(wrong=-1.0)``).
+
+The warm start is a short supervised run (plain PyTorch, loss on the answer tokens only) that
+stops as soon as held-out greedy accuracy enters a target band (default 20-45%), so that GRPO
+starts with a real but unsaturated signal: at 0% or 100% every group has zero reward variance
+and nothing can be learned or compared (see ``shared/spec/TOY-FEASIBILITY.md``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from grpo_variants.rewards.registry import reward
+
+__all__ = [
+    "ToyKit",
+    "ToyModelConfig",
+    "build_tokenizer",
+    "build_model",
+    "make_dataset",
+    "make_toy_accuracy",
+    "toy_accuracy",
+    "warm_start",
+    "prepare",
+    "evaluate",
+    "cache_dir",
+    "SPECIAL_TOKENS",
+]
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+USER, ASSISTANT = "<user>", "<assistant>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, USER, ASSISTANT]
+CHARS = list("0123456789+-=*() ")
+
+# A minimal chat template using the special role tokens. A conversational prompt
+# [{"role": "user", "content": "37+45="}] renders as "<user>37+45=<assistant>".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<user>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<assistant>' + message['content'] + '</s>' }}"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where the toy kit caches its artefacts: ``$GRPO_VARIANTS_CACHE`` or ``~/.cache/grpo_variants``."""
+    root = os.environ.get("GRPO_VARIANTS_CACHE") or os.path.join(Path.home(), ".cache", "grpo_variants")
+    return Path(root)
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+def build_tokenizer(save_to: str | os.PathLike | None = None):
+    """Build a character-level tokenizer with the ``tokenizers`` library.
+
+    Returns a ``PreTrainedTokenizerFast`` with pad/bos/eos/unk tokens and a chat template. When
+    ``save_to`` is given it is saved there and can be reloaded with
+    ``AutoTokenizer.from_pretrained(save_to)``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=[USER, ASSISTANT],
+        padding_side="left",
+        model_max_length=64,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    if save_to is not None:
+        tokenizer.save_pretrained(str(save_to))
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ToyModelConfig:
+    """Shape of the tiny Qwen2 policy (about 1M parameters by default)."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    intermediate_size: int = 512
+    max_position_embeddings: int = 64
+
+
+def build_model(tokenizer=None, config: ToyModelConfig | None = None, seed: int = 0):
+    """A randomly initialised tiny ``Qwen2ForCausalLM`` built from a config (no download)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = tokenizer or build_tokenizer()
+    config = config or ToyModelConfig()
+    hf_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(hf_config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# Tasks
+# --------------------------------------------------------------------------------------------
+TASKS = ("addition", "subtraction", "mixed")
+# difficulty d -> operands with d digits
+_DIGIT_RANGES = {1: (1, 9), 2: (10, 99), 3: (100, 999)}
+
+
+def _problems(task: str, difficulty: int) -> list[tuple[str, str, int]]:
+    if task not in TASKS:
+        raise ValueError(f"Unknown toy task {task!r}; choose one of {TASKS}.")
+    if difficulty not in _DIGIT_RANGES:
+        raise ValueError(f"Toy difficulty must be one of {sorted(_DIGIT_RANGES)}, got {difficulty}.")
+    lo, hi = _DIGIT_RANGES[difficulty]
+    out = []
+    for a in range(lo, hi + 1):
+        for b in range(lo, hi + 1):
+            if task in ("addition", "mixed"):
+                out.append((f"{a}+{b}=", str(a + b), difficulty))
+            if task in ("subtraction", "mixed") and a >= b:
+                out.append((f"{a}-{b}=", str(a - b), difficulty))
+    if difficulty == 3:  # 810k pairs is more than anyone needs: subsample deterministically
+        random.Random(1234).shuffle(out)
+        out = out[:20000]
+    return out
+
+
+def make_dataset(
+    task: str = "addition",
+    split: str = "train",
+    difficulty: int = 2,
+    n: int | None = None,
+    num_eval: int = 500,
+    num_warmstart: int = 2000,
+    conversational: bool = False,
+    seed: int = 0,
+):
+    """A synthetic verifiable task as a ``datasets.Dataset``.
+
+    Columns: ``prompt`` (a string like ``"37+45="``, or a one-message conversation when
+    ``conversational``), ``answer`` (the gold string), ``difficulty`` (operand digits).
+
+    The problem set is split deterministically (``seed``) into ``"eval"`` (held out,
+    ``num_eval`` problems), ``"warmstart"`` (``num_warmstart``, used only by the supervised warm
+    start) and ``"train"`` (the rest, for RL). ``n`` truncates the split.
+    """
+    from datasets import Dataset
+
+    problems = _problems(task, difficulty)
+    random.Random(seed).shuffle(problems)
+    splits = {
+        "eval": problems[:num_eval],
+        "warmstart": problems[num_eval : num_eval + num_warmstart],
+        "train": problems[num_eval + num_warmstart :],
+    }
+    if split not in splits:
+        raise ValueError(f"Unknown split {split!r}; choose one of {sorted(splits)}.")
+    rows = splits[split][:n] if n is not None else splits[split]
+    prompts = [[{"role": "user", "content": p}] if conversational else p for p, _, _ in rows]
+    return Dataset.from_dict(
+        {"prompt": prompts, "answer": [a for _, a, _ in rows], "difficulty": [d for _, _, d in rows]}
+    )
+
+
+_LEADING_INT = re.compile(r"\s*(-?\d+)")
+
+
+def _completion_text(completion) -> str:
+    if isinstance(completion, list):  # conversational: [{"role": "assistant", "content": ...}]
+        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def make_toy_accuracy(correct: float = 1.0, wrong: float = 0.0):
+    """Build the toy task's verifiable reward: ``correct`` when the leading integer equals the gold."""
+
+    def toy_accuracy(prompts, completions, answer, **kwargs):
+        scores = []
+        for completion, gold in zip(completions, answer, strict=True):
+            match = _LEADING_INT.match(_completion_text(completion))
+            scores.append(correct if match is not None and match.group(1) == str(gold).strip() else wrong)
+        return scores
+
+    return toy_accuracy
+
+
+toy_accuracy = reward("toy_accuracy", "Toy arithmetic: +1 if the leading integer equals the gold answer, else 0")(
+    make_toy_accuracy()
+)
+toy_accuracy_pm1 = reward("toy_accuracy_pm1", "Toy arithmetic: +1 correct / -1 wrong (DAPO's rule reward)")(
+    make_toy_accuracy(correct=1.0, wrong=-1.0)
+)
+toy_accuracy_pm1.__name__ = "toy_accuracy_pm1"
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------
+def _load(model_or_path, tokenizer=None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(model_or_path, (str, os.PathLike)):
+        model = AutoModelForCausalLM.from_pretrained(str(model_or_path))
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_or_path))
+    else:
+        model = model_or_path
+    if tokenizer is None:
+        raise ValueError("Pass a tokenizer when evaluating an in-memory model.")
+    return model, tokenizer
+
+
+def _render(prompt, tokenizer) -> str:
+    if isinstance(prompt, list):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+@torch.no_grad()
+def evaluate(
+    model_or_path,
+    dataset,
+    tokenizer=None,
+    *,
+    greedy: bool = True,
+    num_samples: int = 1,
+    temperature: float = 1.0,
+    batch_size: int = 256,
+    max_new_tokens: int = 6,
+    seed: int = 0,
+) -> float:
+    """Accuracy of a model on a toy dataset: greedy (default) or mean over ``num_samples`` samples.
+
+    Single-shot from the original prompt (this is also how iGRPO is evaluated).
+    """
+    model, tokenizer = _load(model_or_path, tokenizer)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    scorer = make_toy_accuracy()
+    prompts = [_render(p, tokenizer) for p in dataset["prompt"]]
+    answers = list(dataset["answer"])
+    correct, total = 0.0, 0
+    try:
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            gold = answers[start : start + batch_size]
+            enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(device)
+            for _ in range(1 if greedy else num_samples):
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=not greedy,
+                    temperature=temperature if not greedy else None,
+                    top_k=None,
+                    top_p=None,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                correct += sum(scorer(batch, texts, gold))
+                total += len(batch)
+    finally:
+        torch.random.set_rng_state(generator_state)
+        model.train(was_training)
+    return correct / max(total, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Warm start
+# --------------------------------------------------------------------------------------------
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start of the toy policy (plain PyTorch, loss on answer + EOS only)."""
+
+    task: str = "addition"
+    difficulty: int = 2
+    target_low: float = 0.20  # stop as soon as held-out greedy accuracy is inside [target_low, target_high]
+    target_high: float = 0.45
+    min_steps: int = 160
+    max_steps: int = 800
+    check_every: int = 20
+    batch_size: int = 64
+    lr: float = 1e-3
+    seed: int = 0
+    probe_size: int = 200  # warm-start problems held back to decide when to stop (not the RL eval split)
+    model: ToyModelConfig = field(default_factory=ToyModelConfig)
+    version: int = 1  # bump to invalidate caches when the recipe changes
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _sft_batch(tokenizer, rows, device):
+    input_ids, labels = [], []
+    for prompt, answer in rows:
+        p = tokenizer(prompt)["input_ids"]
+        a = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
+        input_ids.append(p + a)
+        labels.append([-100] * len(p) + a)
+    width = max(len(x) for x in input_ids)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    lab = torch.full((len(rows), width), -100, dtype=torch.long)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (x, y) in enumerate(zip(input_ids, labels, strict=True)):  # left padding, as at generation time
+        ids[i, width - len(x) :] = torch.tensor(x)
+        lab[i, width - len(y) :] = torch.tensor(y)
+        att[i, width - len(x) :] = 1
+    return ids.to(device), att.to(device), lab.to(device)
+
+
+def warm_start(
+    output_dir: str | os.PathLike | None = None,
+    config: WarmStartConfig | None = None,
+    *,
+    force: bool = False,
+    verbose: bool = True,
+) -> Path:
+    """Train (or reuse from cache) the warm-started toy policy and return its folder.
+
+    The folder holds the model (``save_pretrained``), the tokenizer and ``warmstart.json`` with
+    the steps taken and the accuracy reached. It is written to a temporary folder and renamed
+    into place, so a killed warm start never leaves a half-written cache entry.
+    """
+    config = config or WarmStartConfig()
+    out = Path(output_dir) if output_dir is not None else cache_dir() / "toy" / f"warm-{config.key()}"
+    if (out / "warmstart.json").exists() and not force:
+        return out
+
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, config.model, seed=config.seed)
+    model.train()
+    device = torch.device("cpu")
+    rows_ds = make_dataset(config.task, "warmstart", difficulty=config.difficulty, seed=config.seed)
+    rows = list(zip(rows_ds["prompt"], rows_ds["answer"], strict=True))
+    probe, rows = rows[: config.probe_size], rows[config.probe_size :]
+    probe_ds = rows_ds.select(range(config.probe_size))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    started = time.perf_counter()
+    history = []
+    accuracy = 0.0
+    step = 0
+    for step in range(1, config.max_steps + 1):
+        batch = rng.sample(rows, config.batch_size)
+        ids, att, lab = _sft_batch(tokenizer, batch, device)
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step >= config.min_steps and step % config.check_every == 0:
+            accuracy = evaluate(model, probe_ds, tokenizer)
+            history.append({"step": step, "loss": round(loss.item(), 4), "probe_accuracy": accuracy})
+            if verbose:
+                print(f"[toy warm start] step {step}: loss {loss.item():.3f}, probe greedy accuracy {accuracy:.1%}")
+            if config.target_low <= accuracy <= config.target_high or accuracy > config.target_high:
+                break
+    model.eval()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        meta = {
+            "steps": step,
+            "probe_accuracy": accuracy,
+            "seconds": round(time.perf_counter() - started, 1),
+            "history": history,
+            "config": asdict(config),
+        }
+        (tmp / "warmstart.json").write_text(json.dumps(meta, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+@dataclass
+class ToyKit:
+    """Everything a toy run needs: a model folder, the tokenizer, and train/eval datasets."""
+
+    model_path: str
+    train_dataset: object
+    eval_dataset: object
+    warmstart: dict
+
+    @property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_path)
+
+
+def prepare(
+    task: str = "addition",
+    difficulty: int = 2,
+    *,
+    num_eval: int = 500,
+    conversational: bool = False,
+    warm: bool = True,
+    seed: int = 0,
+    verbose: bool = True,
+) -> ToyKit:
+    """Build (or reuse) the warm-started toy policy and the datasets for ``task``.
+
+    With ``warm=False`` the model is randomly initialised (still saved and loaded by path).
+    """
+    if warm:
+        path = warm_start(config=WarmStartConfig(task=task, difficulty=difficulty, seed=seed), verbose=verbose)
+        meta = json.loads((path / "warmstart.json").read_text())
+    else:
+        path = cache_dir() / "toy" / f"random-seed{seed}"
+        if not (path / "config.json").exists():
+            tokenizer = build_tokenizer()
+            tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent if path.parent.exists() else None))
+            build_model(tokenizer, seed=seed).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                shutil.rmtree(path)
+            shutil.move(str(tmp), str(path))
+        meta = {"steps": 0, "probe_accuracy": None}
+    kwargs = dict(task=task, difficulty=difficulty, num_eval=num_eval, conversational=conversational, seed=seed)
+    return ToyKit(
+        model_path=str(path),
+        train_dataset=make_dataset(split="train", **kwargs),
+        eval_dataset=make_dataset(split="eval", **kwargs),
+        warmstart=meta,
+    )

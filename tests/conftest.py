@@ -1,0 +1,67 @@
+"""Shared fixtures: the toy kit (built once per cache), tiny configs, and a clean output folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("GRPO_VARIANTS_CACHE", str(REPO / ".cache" / "grpo_variants"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+
+@pytest.fixture(scope="session")
+def toy_kit():
+    """The warm-started toy policy and its datasets (cached on disk across runs)."""
+    from grpo_variants import toy
+
+    return toy.prepare(task="addition", verbose=False)
+
+
+@pytest.fixture(scope="session")
+def toy_model_path(toy_kit):
+    return toy_kit.model_path
+
+
+@pytest.fixture(scope="session")
+def small_train_dataset(toy_kit):
+    return toy_kit.train_dataset.select(range(256))
+
+
+def tiny_args(config_cls=None, output_dir="out", **overrides):
+    """A config small enough for a CPU test step (16 completions, 4 per prompt, 6 new tokens)."""
+    from grpo_variants import GRPOVariantConfig
+
+    config_cls = config_cls or GRPOVariantConfig
+    values = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=3,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        bf16=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return config_cls(**values)
+
+
+@pytest.fixture
+def make_args(tmp_path):
+    def factory(config_cls=None, **overrides):
+        overrides.setdefault("output_dir", str(tmp_path / "out"))
+        return tiny_args(config_cls, **overrides)
+
+    return factory
