@@ -1,0 +1,663 @@
+"""Built-in reward functions, registered by name (``grpo-variants train --reward NAME``).
+
+Every reward has TRL's signature ``f(prompts, completions, completion_ids=None, **kwargs)`` and
+returns one float (or None = missing) per completion. Completions may be strings or, in the
+conversational format, lists of messages (the text of the last message is scored).
+
+The parametrised rewards are small classes (picklable, with a ``__name__`` that TRL uses as the
+metric name) built by factories; :func:`build_reward` builds any of them from a config mapping::
+
+    build_reward("overlong_penalty", max_completion_len=4096, soft_cache_len=512)
+    build_reward({"name": "math_accuracy", "correct": 1.0, "wrong": -1.0})
+
+Registered names: ``math_accuracy`` (+1/0), ``math_accuracy_pm1`` (+1/-1), ``format_think_answer``,
+``dapo_overlong`` (DAPO eq. 13 with L_max = 20480, L_cache = 4096), ``length_cosine``,
+``code_pass``, ``code_pass_fraction``.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import math
+import os
+import re
+import secrets
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+from grpo_variants.errors import ConfigError, DatasetError, RewardFunctionError
+from grpo_variants.rewards.math_verify_utils import (
+    answers_match,
+    extract_final_answer,
+    extract_gold_answer,
+    gold_is_parsable,
+)
+from grpo_variants.rewards.registry import reward
+from grpo_variants.rewards.sandbox import SandboxPool, SandboxResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "completion_text",
+    "MathAccuracy",
+    "make_math_accuracy",
+    "FormatReward",
+    "make_format_reward",
+    "OverlongPenalty",
+    "make_overlong_penalty",
+    "overlong_penalty_value",
+    "LengthCosine",
+    "make_length_cosine",
+    "CodeReward",
+    "make_code_reward",
+    "extract_code",
+    "build_test_program",
+    "REWARD_FACTORIES",
+    "build_reward",
+    "math_accuracy",
+    "math_accuracy_pm1",
+    "format_think_answer",
+    "dapo_overlong",
+    "length_cosine",
+    "code_pass",
+    "code_pass_fraction",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+def completion_text(completion: Any) -> str:
+    """The text of a completion: a string as is; for a list of messages, the last message's content."""
+    if completion is None:
+        return ""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Mapping):
+        return completion_text(completion.get("content", ""))
+    if isinstance(completion, (list, tuple)):
+        if not completion:
+            return ""
+        last = completion[-1]
+        if isinstance(last, Mapping) and "content" in last:
+            content = last.get("content")
+            if isinstance(content, (list, tuple)):  # multimodal parts: [{"type": "text", "text": ...}]
+                return "".join(p.get("text", "") if isinstance(p, Mapping) else str(p) for p in content)
+            return "" if content is None else str(content)
+        if isinstance(last, Mapping) and last.get("type") == "text":
+            return "".join(p.get("text", "") for p in completion if isinstance(p, Mapping))
+        return str(last)
+    return str(completion)
+
+
+def _column(kwargs: dict, column: str, n: int, reward_name: str) -> list:
+    if column not in kwargs or kwargs[column] is None:
+        have = sorted(k for k in kwargs if k not in ("trainer_state", "log_extra", "log_metric", "environments"))
+        raise DatasetError(
+            f"Reward '{reward_name}' needs the dataset column '{column}', which the batch does not have "
+            f"(columns present: {have or 'none'}). Add the column to the dataset, or pass "
+            f"{column}_column=... to the reward's factory."
+        )
+    values = list(kwargs[column])
+    if len(values) != n:
+        raise DatasetError(
+            f"Reward '{reward_name}': column '{column}' has {len(values)} values for {n} completions."
+        )
+    return values
+
+
+def _completion_lengths(completion_ids, n: int, reward_name: str) -> list[int]:
+    if completion_ids is None:
+        raise RewardFunctionError(
+            f"Reward '{reward_name}' measures length in tokens and needs completion_ids (TRL passes them); "
+            "call it as f(prompts=..., completions=..., completion_ids=...)."
+        )
+    ids = list(completion_ids)
+    if len(ids) != n:
+        raise RewardFunctionError(f"Reward '{reward_name}': {len(ids)} completion_ids for {n} completions.")
+    return [len(x) for x in ids]
+
+
+class _NamedReward:
+    """Base: a picklable callable with a ``__name__`` (TRL's metric name)."""
+
+    __name__: str
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
+        return f"{type(self).__name__}({params})"
+
+    def _params(self) -> dict:
+        return {}
+
+
+# --------------------------------------------------------------------------------------------
+# Math accuracy
+# --------------------------------------------------------------------------------------------
+_warned_golds: set[str] = set()
+_warn_lock = threading.Lock()
+_MAX_GOLD_WARNINGS = 20
+
+
+def _warn_unparsable_gold(gold: object, reward_name: str) -> None:
+    key = repr(gold)[:200]
+    with _warn_lock:
+        if key in _warned_golds or len(_warned_golds) >= _MAX_GOLD_WARNINGS:
+            return
+        _warned_golds.add(key)
+    logger.warning(
+        "Reward '%s': cannot parse the gold answer %s; its samples score None (missing, ignored by TRL). "
+        "Fix the dataset's answer column.",
+        reward_name,
+        key,
+    )
+
+
+class MathAccuracy(_NamedReward):
+    """Whether the completion's final answer equals the gold answer (``correct`` / ``wrong`` score).
+
+    The final answer is the last ``\\boxed{...}``, else "#### X" / "The answer is X" /
+    "Answer: X", else the last number. Equivalence: math_verify when importable (its timeouts
+    disabled) or-ed with a built-in normaliser (1/2 == 0.5 == \\frac{1}{2} == \\dfrac12);
+    see :mod:`grpo_variants.rewards.math_verify_utils`. A gold answer that cannot be parsed
+    scores None (missing) with a one-time warning naming it.
+    """
+
+    def __init__(
+        self,
+        correct: float = 1.0,
+        wrong: float = 0.0,
+        *,
+        answer_column: str = "answer",
+        use_math_verify: bool | None = None,
+        name: str = "math_accuracy",
+    ):
+        self.correct = float(correct)
+        self.wrong = float(wrong)
+        self.answer_column = answer_column
+        self.use_math_verify = use_math_verify
+        self.__name__ = name
+
+    def _params(self) -> dict:
+        return {"correct": self.correct, "wrong": self.wrong, "answer_column": self.answer_column}
+
+    def judge(self, completion: Any, gold: object) -> bool | None:
+        """True / False, or None when the gold answer is unparsable."""
+        g = extract_gold_answer(gold)
+        if not gold_is_parsable(g):
+            _warn_unparsable_gold(gold, self.__name__)
+            return None
+        pred = extract_final_answer(completion_text(completion))
+        return answers_match(pred, g, use_math_verify=self.use_math_verify)
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
+        completions = list(completions or [])
+        golds = _column(kwargs, self.answer_column, len(completions), self.__name__)
+        out: list[float | None] = []
+        for c, g in zip(completions, golds):
+            ok = self.judge(c, g)
+            out.append(None if ok is None else (self.correct if ok else self.wrong))
+        return out
+
+
+def make_math_accuracy(correct: float = 1.0, wrong: float = 0.0, **options) -> MathAccuracy:
+    """A math accuracy reward scoring ``correct`` / ``wrong`` (e.g. ``make_math_accuracy(1.0, -1.0)``)."""
+    options.setdefault("name", "math_accuracy" if (correct, wrong) == (1.0, 0.0) else "math_accuracy_custom")
+    return MathAccuracy(correct, wrong, **options)
+
+
+# --------------------------------------------------------------------------------------------
+# Format
+# --------------------------------------------------------------------------------------------
+class FormatReward(_NamedReward):
+    """1.0 when the completion is ``<think>...</think>`` followed by a non-empty answer, else 0.0.
+
+    With ``answer_tag="answer"`` the answer must be ``<answer>non-empty</answer>`` and nothing may
+    follow it. ``require_open_tag=False`` accepts a completion that starts inside the thinking
+    block (chat templates that put ``<think>`` in the prompt). Exactly one thinking block.
+    """
+
+    def __init__(
+        self,
+        think_tag: str = "think",
+        answer_tag: str | None = None,
+        *,
+        require_open_tag: bool = True,
+        name: str = "format_think_answer",
+    ):
+        if not think_tag or not re.fullmatch(r"[\w.-]+", think_tag):
+            raise ConfigError(f"make_format_reward: think_tag must be a tag name like 'think', got {think_tag!r}.")
+        if answer_tag is not None and not re.fullmatch(r"[\w.-]+", answer_tag):
+            raise ConfigError(f"make_format_reward: answer_tag must be a tag name or None, got {answer_tag!r}.")
+        self.think_tag, self.answer_tag, self.require_open_tag = think_tag, answer_tag, require_open_tag
+        self.__name__ = name
+        t = re.escape(think_tag)
+        opening = f"<{t}>" if require_open_tag else f"(?:<{t}>)?"
+        no_tags = f"(?:(?!</?{t}>).)*"
+        if answer_tag is None:
+            answer = rf"{no_tags}?(?!</?{t}>)\S{no_tags}"
+        else:
+            a = re.escape(answer_tag)
+            in_answer = f"(?:(?!</?{a}>|</?{t}>).)*"
+            answer = rf"<{a}>{in_answer}?(?!</?{a}>)\S{in_answer}</{a}>\s*"
+        self._pattern = re.compile(rf"\s*{opening}{no_tags}</{t}>\s*{answer}", re.DOTALL)
+
+    def _params(self) -> dict:
+        return {"think_tag": self.think_tag, "answer_tag": self.answer_tag, "require_open_tag": self.require_open_tag}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_pattern", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__init__(state["think_tag"], state["answer_tag"], require_open_tag=state["require_open_tag"],
+                      name=state["__name__"])
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float]:
+        return [1.0 if self._pattern.fullmatch(completion_text(c)) else 0.0 for c in (completions or [])]
+
+
+def make_format_reward(think_tag: str = "think", answer_tag: str | None = None, **options) -> FormatReward:
+    return FormatReward(think_tag, answer_tag, **options)
+
+
+# --------------------------------------------------------------------------------------------
+# DAPO overlong shaping (eq. 13)
+# --------------------------------------------------------------------------------------------
+def overlong_penalty_value(length: int, max_completion_len: int, soft_cache_len: int) -> float:
+    """DAPO eq. 13: 0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache in the buffer; -1 beyond L_max."""
+    threshold = max_completion_len - soft_cache_len
+    if length <= threshold:
+        return 0.0
+    if length <= max_completion_len:
+        return (threshold - length) / soft_cache_len
+    return -1.0
+
+
+class OverlongPenalty(_NamedReward):
+    """DAPO soft overlong punishment (eq. 13), added to the correctness reward.
+
+    L = number of completion tokens (``len(completion_ids[i])``):
+    0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache for L_max - L_cache < L <= L_max
+    (linear from 0 to -1); -1 if L > L_max. Set L_max to the trainer's ``max_completion_length``.
+    """
+
+    def __init__(self, max_completion_len: int, soft_cache_len: int, *, name: str = "overlong_penalty"):
+        for field, v in (("max_completion_len", max_completion_len), ("soft_cache_len", soft_cache_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"make_overlong_penalty: {field} must be a positive integer, got {v!r}.")
+        if soft_cache_len > max_completion_len:
+            raise ConfigError(
+                f"make_overlong_penalty: soft_cache_len ({soft_cache_len}) must not exceed max_completion_len "
+                f"({max_completion_len}); DAPO uses L_max = 20480 with L_cache = 4096."
+            )
+        self.max_completion_len = max_completion_len
+        self.soft_cache_len = soft_cache_len
+        self.__name__ = name
+
+    def _params(self) -> dict:
+        return {"max_completion_len": self.max_completion_len, "soft_cache_len": self.soft_cache_len}
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float]:
+        n = len(completions) if completions is not None else len(completion_ids or [])
+        lengths = _completion_lengths(completion_ids, n, self.__name__)
+        return [overlong_penalty_value(L, self.max_completion_len, self.soft_cache_len) for L in lengths]
+
+
+def make_overlong_penalty(
+    max_completion_len: int, soft_cache_len: int, *, name: str = "overlong_penalty"
+) -> OverlongPenalty:
+    """DAPO eq. 13 with L_max = ``max_completion_len`` and L_cache = ``soft_cache_len`` (token counts)."""
+    return OverlongPenalty(int(max_completion_len), int(soft_cache_len), name=name)
+
+
+# --------------------------------------------------------------------------------------------
+# Cosine length scaling (Yeo et al. 2025, "Demystifying Long Chain-of-Thought Reasoning in LLMs")
+# --------------------------------------------------------------------------------------------
+class LengthCosine(_NamedReward):
+    """Cosine length-scaled correctness reward (Yeo et al. 2025, arXiv 2502.03373).
+
+    With L the completion length in tokens and T = ``max_len``::
+
+        R = r_e                                              if L >= T
+        R = r_T + (r_0 - r_T) * (1 + cos(pi * L / T)) / 2     otherwise
+
+    where (r_0, r_T) = (r0_correct, rL_correct) for a correct answer and (r0_wrong, rL_wrong) for
+    a wrong one: r_0 is the reward at length 0 and r_T the reward at length T, joined by a half
+    cosine. The defaults (correct 1.0 -> 0.5, wrong -1.0 -> -0.5, exceed -1.0; those of open-r1's
+    ``get_cosine_scaled_reward``) make short correct answers best and give wrong answers more room
+    to think. Correctness comes from ``correctness`` (a reward function; score > ``threshold`` =
+    correct; default: :class:`MathAccuracy`); a None correctness gives None.
+    """
+
+    def __init__(
+        self,
+        max_len: int,
+        *,
+        r0_correct: float = 1.0,
+        rL_correct: float = 0.5,
+        r0_wrong: float = -1.0,
+        rL_wrong: float = -0.5,
+        exceed_penalty: float = -1.0,
+        correctness: Callable[..., list] | None = None,
+        threshold: float = 0.5,
+        name: str = "length_cosine",
+    ):
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
+            raise ConfigError(f"make_length_cosine: max_len must be a positive integer, got {max_len!r}.")
+        self.max_len = max_len
+        self.r0_correct, self.rL_correct = float(r0_correct), float(rL_correct)
+        self.r0_wrong, self.rL_wrong = float(r0_wrong), float(rL_wrong)
+        self.exceed_penalty = float(exceed_penalty)
+        self.correctness = correctness if correctness is not None else MathAccuracy(1.0, 0.0)
+        self.threshold = float(threshold)
+        self.__name__ = name
+
+    def _params(self) -> dict:
+        return {
+            "max_len": self.max_len, "r0_correct": self.r0_correct, "rL_correct": self.rL_correct,
+            "r0_wrong": self.r0_wrong, "rL_wrong": self.rL_wrong, "exceed_penalty": self.exceed_penalty,
+        }
+
+    def value(self, length: int, correct: bool) -> float:
+        if length >= self.max_len:
+            return self.exceed_penalty
+        r0, rT = (self.r0_correct, self.rL_correct) if correct else (self.r0_wrong, self.rL_wrong)
+        return rT + (r0 - rT) * 0.5 * (1.0 + math.cos(math.pi * length / self.max_len))
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
+        completions = list(completions or [])
+        lengths = _completion_lengths(completion_ids, len(completions), self.__name__)
+        scores = self.correctness(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        return [None if s is None else self.value(L, s > self.threshold) for L, s in zip(lengths, scores)]
+
+
+def make_length_cosine(max_len: int, **options) -> LengthCosine:
+    return LengthCosine(int(max_len), **options)
+
+
+# --------------------------------------------------------------------------------------------
+# Code execution
+# --------------------------------------------------------------------------------------------
+_FENCE_RE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(text: str) -> str:
+    """The last ```python fenced block, else the last fenced block of any language, else the whole text."""
+    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE_RE.finditer(text or "")]
+    py = [code for lang, code in blocks if lang in ("python", "py", "python3")]
+    if py:
+        return py[-1]
+    if blocks:
+        return blocks[-1][1]
+    # An unclosed final fence (the completion was truncated): take what follows it.
+    m = re.search(r"```[ \t]*(?:python3?|py)?[^\n]*\n(.*)$", text or "", re.DOTALL)
+    if m:
+        return m.group(1)
+    return text or ""
+
+
+def _split_tests(tests: Any) -> list[str]:
+    """The test units: a list of statements as given; a string is split into top-level statements,
+    each ``assert`` being one unit with any preceding setup statements (imports, helpers) glued to it."""
+    if tests is None:
+        return []
+    if isinstance(tests, (list, tuple)):
+        return [str(t) for t in tests if t is not None and str(t).strip()]
+    text = str(tests)
+    if not text.strip():
+        return []
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return [text]
+    lines = text.splitlines(keepends=True)
+    units: list[str] = []
+    setup = ""
+    for node in tree.body:
+        seg = "".join(lines[node.lineno - 1 : node.end_lineno])
+        if isinstance(node, ast.Assert):
+            units.append(setup + seg)
+            setup = ""
+        else:
+            # Setup runs once, in order, in the shared namespace: attach it to the next assert.
+            setup += seg
+    if setup.strip():
+        if units:
+            units[-1] += setup
+        else:
+            units.append(setup)
+    return units or [text]
+
+
+_HARNESS = '''\
+import sys as _sys, signal as _signal, traceback as _tb
+_PROGRAM = {program!r}
+_TESTS = {tests!r}
+_ALL = {stop_at_first!r}
+_TEST_TIMEOUT = {test_timeout!r}
+class _TestTimeout(BaseException):
+    pass
+def _alarm(signum, frame):
+    raise _TestTimeout("test timed out")
+def _run():
+    ns = {{"__name__": "__solution__", "__builtins__": __builtins__}}
+    try:
+        exec(compile(_PROGRAM, "<program>", "exec"), ns)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            return 0
+    except BaseException:
+        _tb.print_exc(limit=5)
+        return 0
+    passed = 0
+    for i, test in enumerate(_TESTS):
+        try:
+            _signal.signal(_signal.SIGALRM, _alarm)
+            _signal.setitimer(_signal.ITIMER_REAL, _TEST_TIMEOUT)
+            try:
+                exec(compile(test, "<test %d>" % i, "exec"), ns)
+            finally:
+                _signal.setitimer(_signal.ITIMER_REAL, 0)
+            passed += 1
+        except BaseException:
+            _tb.print_exc(limit=3)
+            if _ALL:
+                break
+    return passed
+def _main():
+    # The nonce comes through a pipe (drained here, so the program cannot re-read it) and stays a
+    # local of this frame (not a module global the program could import).
+    nonce = _sys.stdin.readline().strip()
+    out = _sys.stdout
+    passed = _run()
+    out.write("\\n%s %d %d\\n" % (nonce, passed, len(_TESTS)))
+    out.flush()
+_main()
+'''
+
+
+def build_test_program(program: str, tests: Sequence[str], *, stop_at_first: bool, test_timeout: float = 5.0) -> str:
+    """The harness script: runs ``program`` then each test in one namespace, prints a result line.
+
+    The result line carries a per-run random nonce read from a stdin pipe (not in the script, the
+    argv or the environment; drained before the program runs; kept in a function local), so a
+    program that exits early with status 0 or prints a fake line scores nothing. Residual risk:
+    a program that deliberately walks the interpreter's frames or memory could still find the
+    nonce, and objects overriding ``__eq__`` to always be True can fool an ``assert ==``.
+    """
+    return _HARNESS.format(program=program, tests=list(tests), stop_at_first=stop_at_first,
+                           test_timeout=float(test_timeout))
+
+
+def _parse_result(res: SandboxResult, nonce: str) -> tuple[int, int] | None:
+    """(passed, total) from the harness's nonce line; None when the harness never got to print it."""
+    for line in reversed(res.stdout.splitlines()):
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == nonce:
+            try:
+                return int(parts[1]), int(parts[2])
+            except ValueError:
+                return None
+    return None
+
+
+class CodeReward(_NamedReward):
+    """Runs the completion's program against the dataset's ``tests`` column in the sandbox.
+
+    The program is the last ```python block (else any fenced block, else the whole text). ``tests``
+    is a list of assert statements or a string of test code. ``mode="all"``: 1.0 when every test
+    passes, else 0.0; ``mode="fraction"``: the fraction of tests that pass. A sample without tests
+    scores None. Programs run in parallel in a :class:`SandboxPool`; ``sandbox_options`` go to
+    :func:`run_in_sandbox` (timeout, memory_mb, ...). ``test_timeout`` bounds each test (SIGALRM
+    inside the harness); the run's wall ``timeout`` bounds the whole program.
+    """
+
+    def __init__(
+        self,
+        mode: str = "all",
+        *,
+        tests_column: str = "tests",
+        max_workers: int | None = None,
+        test_timeout: float = 5.0,
+        name: str | None = None,
+        **sandbox_options,
+    ):
+        if mode not in ("all", "fraction"):
+            raise ConfigError(f"make_code_reward: mode must be 'all' or 'fraction', got {mode!r}.")
+        self.mode = mode
+        self.tests_column = tests_column
+        self.max_workers = max_workers
+        self.test_timeout = float(test_timeout)
+        self.sandbox_options = dict(sandbox_options)
+        self.sandbox_options.setdefault("timeout", 10.0)
+        self.sandbox_options.setdefault("cpu_time", 10)
+        self.__name__ = name or ("code_pass" if mode == "all" else "code_pass_fraction")
+        self._pool: SandboxPool | None = None
+        self._lock = threading.Lock()
+        self.last_results: list[SandboxResult | None] = []
+
+    def _params(self) -> dict:
+        return {"mode": self.mode, "tests_column": self.tests_column, **self.sandbox_options}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_pool"] = None
+        state["_lock"] = None
+        state["last_results"] = []
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def pool(self) -> SandboxPool:
+        if self._pool is not None and self._pool._pid != os.getpid():
+            self._pool, self._lock = None, threading.Lock()  # forked (process isolation): a fresh pool
+        with self._lock:
+            if self._pool is None:
+                self._pool = SandboxPool(self.max_workers, **self.sandbox_options)
+            return self._pool
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
+        completions = list(completions or [])
+        tests_col = _column(kwargs, self.tests_column, len(completions), self.__name__)
+        scripts, stdins, nonces, idx = [], [], [], []
+        out: list[float | None] = [None] * len(completions)
+        for i, (c, tests) in enumerate(zip(completions, tests_col)):
+            units = _split_tests(tests)
+            if not units:
+                logger.warning("Reward '%s': sample %d has no tests; it scores None.", self.__name__, i)
+                continue
+            nonce = secrets.token_hex(16)
+            program = extract_code(completion_text(c))
+            scripts.append(build_test_program(program, units, stop_at_first=self.mode == "all",
+                                              test_timeout=self.test_timeout))
+            stdins.append(nonce + "\n")
+            nonces.append(nonce)
+            idx.append(i)
+        results = self.pool.run_many(scripts, stdins=stdins) if scripts else []
+        self.last_results = [None] * len(completions)
+        for i, res, nonce in zip(idx, results, nonces):
+            self.last_results[i] = res
+            parsed = _parse_result(res, nonce)
+            if parsed is None or parsed[1] == 0:
+                out[i] = 0.0
+            elif self.mode == "all":
+                out[i] = 1.0 if parsed[0] == parsed[1] else 0.0
+            else:
+                out[i] = parsed[0] / parsed[1]
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+def make_code_reward(mode: str = "all", **options) -> CodeReward:
+    """A sandboxed unit-test reward; ``mode`` is ``"all"`` (1/0) or ``"fraction"`` (share passed)."""
+    return CodeReward(mode, **options)
+
+
+# --------------------------------------------------------------------------------------------
+# Registered instances and config factories
+# --------------------------------------------------------------------------------------------
+math_accuracy = reward("math_accuracy", "final answer equals the gold 'answer' column: +1 correct / 0 wrong")(
+    MathAccuracy(1.0, 0.0, name="math_accuracy")
+)
+math_accuracy_pm1 = reward("math_accuracy_pm1", "final answer equals the gold 'answer' column: +1 / -1 (DAPO)")(
+    MathAccuracy(1.0, -1.0, name="math_accuracy_pm1")
+)
+format_think_answer = reward("format_think_answer", "1 if <think>...</think> is followed by a non-empty answer")(
+    FormatReward(name="format_think_answer")
+)
+dapo_overlong = reward("dapo_overlong", "DAPO soft overlong punishment (eq. 13), L_max=20480, L_cache=4096")(
+    OverlongPenalty(20480, 4096, name="dapo_overlong")
+)
+length_cosine = reward("length_cosine", "cosine length-scaled math correctness (Yeo et al. 2025), max_len=4096")(
+    LengthCosine(4096, name="length_cosine")
+)
+code_pass = reward("code_pass", "1 if the completion's program passes every test in the 'tests' column (sandboxed)")(
+    CodeReward("all", name="code_pass")
+)
+code_pass_fraction = reward("code_pass_fraction", "fraction of the 'tests' column the program passes (sandboxed)")(
+    CodeReward("fraction", name="code_pass_fraction")
+)
+
+REWARD_FACTORIES: dict[str, Callable[..., Callable]] = {
+    "math_accuracy": make_math_accuracy,
+    "format_think_answer": make_format_reward,
+    "format": make_format_reward,
+    "overlong_penalty": make_overlong_penalty,
+    "dapo_overlong": make_overlong_penalty,
+    "length_cosine": make_length_cosine,
+    "code_pass": lambda **kw: make_code_reward("all", **kw),
+    "code_pass_fraction": lambda **kw: make_code_reward("fraction", **kw),
+}
+
+
+def build_reward(spec: str | Mapping[str, Any], **params) -> Callable:
+    """A reward from a config: a registered name (no params: the registered instance), or a
+    factory name with parameters, given as keywords or as a mapping ``{"name": ..., **params}``."""
+    from grpo_variants.rewards.registry import get_reward
+
+    if isinstance(spec, Mapping):
+        params = {**{k: v for k, v in spec.items() if k != "name"}, **params}
+        if "name" not in spec:
+            raise ConfigError(f"A reward config mapping needs a 'name' key, got {dict(spec)!r}.")
+        spec = spec["name"]
+    if not params:
+        return get_reward(spec)
+    if spec not in REWARD_FACTORIES:
+        raise ConfigError(
+            f"Reward {spec!r} takes no parameters (got {sorted(params)}). Parametrised rewards: "
+            f"{', '.join(sorted(REWARD_FACTORIES))}."
+        )
+    try:
+        return REWARD_FACTORIES[spec](**params)
+    except TypeError as exc:
+        raise ConfigError(f"Bad parameters for reward {spec!r}: {exc}") from exc
