@@ -81,17 +81,30 @@ def cache_dir() -> Path:
 def build_tokenizer(save_to: str | os.PathLike | None = None):
     """Build a character-level tokenizer with the ``tokenizers`` library.
 
+    It is a byte-level BPE with no merges over a vocabulary of single characters, pre-tokenized
+    exactly like Qwen2's tokenizer (Qwen's split regex, then byte-level mapping: a space is ``Ġ``).
+    That matters because ``AutoTokenizer.from_pretrained`` on a folder whose ``config.json`` says
+    ``model_type: qwen2`` always builds a ``Qwen2Tokenizer``, which imposes that pre-tokenizer: the
+    tokenizer built here and the one reloaded from the model folder encode every string the same way.
+
     Returns a ``PreTrainedTokenizerFast`` with pad/bos/eos/unk tokens and a chat template. When
     ``save_to`` is given it is saved there and can be reloaded with
     ``AutoTokenizer.from_pretrained(save_to)``.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    byte_chars = [_byte_level(c) for c in CHARS]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + byte_chars)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    core.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -106,6 +119,17 @@ def build_tokenizer(save_to: str | os.PathLike | None = None):
     if save_to is not None:
         tokenizer.save_pretrained(str(save_to))
     return tokenizer
+
+
+def _byte_level(char: str) -> str:
+    """The byte-level (GPT-2 / Qwen) alphabet symbol of a one-byte character (a space is 'Ġ')."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(char)[0][0]
+
+
+# Qwen2's pre-tokenization pattern: the reloaded Qwen2Tokenizer applies it, so we apply it too.
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as _QWEN2_PRETOKENIZE_REGEX  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,7 +362,7 @@ class WarmStartConfig:
     seed: int = 0
     probe_size: int = 200  # warm-start problems held back to decide when to stop (not the RL eval split)
     model: ToyModelConfig = field(default_factory=ToyModelConfig)
-    version: int = 1  # bump to invalidate caches when the recipe changes
+    version: int = 2  # bump to invalidate caches when the recipe changes (2: Qwen2-compatible tokenizer)
 
     def key(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True)

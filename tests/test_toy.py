@@ -33,6 +33,16 @@ def test_model_round_trip(tmp_path):
     torch.testing.assert_close(model(x).logits, loaded(x).logits)
 
 
+def test_tokenizer_reloaded_from_model_folder_matches(tmp_path):
+    """AutoTokenizer on a qwen2 model folder builds a Qwen2Tokenizer: it must encode like ours."""
+    tok = toy.build_tokenizer(save_to=tmp_path)
+    toy.build_model(tok).save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    for text in ("37+45=", "84 31=(7)", "<user>1+2=<assistant>12</s>", "9-3= 6"):
+        assert reloaded(text)["input_ids"] == tok(text)["input_ids"], text
+        assert reloaded.decode(reloaded(text)["input_ids"]) == text
+
+
 def test_datasets_are_disjoint_and_verifiable():
     train = toy.make_dataset("addition", "train")
     heldout = toy.make_dataset("addition", "eval")
