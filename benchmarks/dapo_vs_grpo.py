@@ -1,0 +1,320 @@
+"""DAPO versus GRPO on the toy task at an equal generation budget.
+
+Both arms start from the same warm-started toy policy (held-out greedy accuracy about 30%, where
+many groups of 8 samples are all wrong or all right and carry no gradient), use the same seed(s),
+the same prompts, the same learning rate and completions per update, and stop once they have
+*generated* the same number of tokens (``GenerationBudgetCallback``: DAPO's discarded groups count).
+
+* GRPO: the registered ``grpo`` variant (DeepSeekMath: clip 0.2, seq-mean-token-mean, k3 KL with
+  beta 0.04 (``--grpo-beta``)), reward ``toy_accuracy`` (1 / 0).
+* DAPO: the registered ``dapo`` variant (clip 0.2 / 0.28, dual clip 10, token-mean, dynamic sampling
+  with the retry cap, overlong shaping and filtering, beta 0), reward ``toy_accuracy_pm1`` (+1 / -1).
+  With group-std advantages the two reward scales give the same advantages.
+
+Measured per arm: held-out greedy accuracy against generated tokens (every ``--eval-every`` tokens,
+on ``--eval-size`` held-out problems), final accuracy, training wall seconds (evaluation time
+excluded; arms alternate seed by seed so background load hits both), generated tokens, the
+useful-token fraction (tokens that received a gradient / tokens generated) and generation rounds per
+optimisation batch (1 for GRPO; DAPO re-samples).
+
+    python benchmarks/dapo_vs_grpo.py                 # full run (quiet 2-core CPU: about 25 minutes)
+    python benchmarks/dapo_vs_grpo.py --quick         # end-to-end check (about 2 minutes)
+
+Writes benchmarks/results/dapo.json, dapo.md and dapo.png (``--out`` to change the folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+os.environ.setdefault("GRPO_VARIANTS_CACHE", str(REPO / ".cache" / "grpo_variants"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from grpo_variants import get_variant, toy  # noqa: E402
+from grpo_variants.callbacks import GenerationBudgetCallback  # noqa: E402
+
+ARMS = ("grpo", "dapo")
+
+
+class TokenEvalCallback(TrainerCallback):
+    """Held-out greedy accuracy (``toy.evaluate``) every ``every_tokens`` generated tokens, at start and end.
+
+    Records (generated tokens, optimizer step, training seconds, accuracy); evaluation time is
+    excluded from the training seconds. ``toy.evaluate`` leaves the training RNG untouched.
+    """
+
+    def __init__(self, trainer, eval_dataset, every_tokens: int):
+        self.trainer, self.eval_dataset, self.every = trainer, eval_dataset, every_tokens
+        self.curve: list[dict] = []
+        self.eval_seconds = 0.0
+        self._next = every_tokens
+        self._start = None
+
+    def _tokens(self) -> int:
+        return int(self.trainer._tokens_generated_total)
+
+    def _evaluate(self, state) -> None:
+        start = time.perf_counter()
+        accuracy = toy.evaluate(self.trainer.model, self.eval_dataset, self.trainer.processing_class)
+        self.eval_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - self._start - self.eval_seconds
+        self.curve.append(dict(tokens=self._tokens(), step=state.global_step, seconds=round(seconds, 3),
+                               accuracy=accuracy))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+        self._evaluate(state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._tokens() >= self._next:
+            self._evaluate(state)
+            while self._next <= self._tokens():
+                self._next += self.every
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.curve[-1]["step"] != state.global_step:
+            self._evaluate(state)
+
+
+def build(arm: str, kit, opts, seed: int, output_dir: str):
+    spec = get_variant(arm)
+    values = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=opts.batch,
+        num_generations=opts.group,
+        max_completion_length=6,
+        learning_rate=opts.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        temperature=1.0,
+        max_steps=100_000,  # the generation budget stops training
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        data_seed=seed,
+        bf16=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    if arm == "grpo":
+        values["beta"] = opts.grpo_beta
+        reward = "toy_accuracy"
+    else:
+        values["max_num_gen_batches"] = opts.max_num_gen_batches
+        reward = "toy_accuracy_pm1"
+    config = spec.config_cls(**values)
+    trainer = spec.trainer_cls(model=kit.model_path, reward_funcs=reward, args=config,
+                               train_dataset=kit.train_dataset)
+    return trainer
+
+
+def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory(prefix=f"dapo-bench-{arm}-") as tmp:
+        trainer = build(arm, kit, opts, seed, tmp)
+        budget = GenerationBudgetCallback(trainer, budget_tokens=opts.budget)
+        evaluator = TokenEvalCallback(trainer, eval_dataset, opts.eval_every)
+        trainer.add_callback(budget)
+        trainer.add_callback(evaluator)
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start - evaluator.eval_seconds
+    history = trainer.state.log_history
+    generated = int(trainer._tokens_generated_total)
+    rollouts = int(trainer._generation_rounds_total)  # optimisation batches (one rollout each)
+    rounds = int(getattr(trainer, "_ds_rounds_total", rollouts))  # generate calls (DAPO: >= rollouts)
+    pass_rates = [r["dynamic_sampling/pass_rate"] for r in history if "dynamic_sampling/pass_rate" in r]
+    zero_std = [r["frac_reward_zero_std"] for r in history if "frac_reward_zero_std" in r]
+    return dict(
+        arm=arm,
+        seed=seed,
+        final_accuracy=evaluator.curve[-1]["accuracy"],
+        initial_accuracy=evaluator.curve[0]["accuracy"],
+        wall_seconds=round(wall, 2),
+        generated_tokens=generated,
+        useful_tokens=int(trainer._tokens_useful_total),
+        useful_token_fraction=trainer._tokens_useful_total / max(generated, 1),
+        optimizer_steps=trainer.state.global_step,
+        rollouts=rollouts,
+        generation_rounds=rounds,
+        generation_rounds_per_step=rounds / max(rollouts, 1),
+        dynamic_sampling_pass_rate=statistics.mean(pass_rates) if pass_rates else None,
+        frac_reward_zero_std=statistics.mean(zero_std) if zero_std else None,
+        curve=evaluator.curve,
+    )
+
+
+def summarise(runs: list[dict]) -> dict:
+    out = {}
+    for arm in ARMS:
+        mine = [r for r in runs if r["arm"] == arm]
+        mean = lambda key: statistics.mean(r[key] for r in mine)  # noqa: E731
+        out[arm] = dict(
+            seeds=[r["seed"] for r in mine],
+            final_accuracy=mean("final_accuracy"),
+            final_accuracy_per_seed=[r["final_accuracy"] for r in mine],
+            initial_accuracy=mean("initial_accuracy"),
+            wall_seconds=mean("wall_seconds"),
+            generated_tokens=mean("generated_tokens"),
+            useful_token_fraction=mean("useful_token_fraction"),
+            optimizer_steps=mean("optimizer_steps"),
+            generation_rounds_per_step=mean("generation_rounds_per_step"),
+            dynamic_sampling_pass_rate=(statistics.mean(r["dynamic_sampling_pass_rate"] for r in mine)
+                                        if mine[0]["dynamic_sampling_pass_rate"] is not None else None),
+            frac_reward_zero_std=mean("frac_reward_zero_std"),
+            # area under the accuracy-vs-tokens curve / budget: mean accuracy over the run
+            mean_accuracy_over_budget=statistics.mean(_curve_mean(r["curve"]) for r in mine),
+        )
+    out["ratios"] = dict(
+        final_accuracy_dapo_minus_grpo=out["dapo"]["final_accuracy"] - out["grpo"]["final_accuracy"],
+        wall_seconds_dapo_over_grpo=out["dapo"]["wall_seconds"] / max(out["grpo"]["wall_seconds"], 1e-9),
+        useful_token_fraction_dapo_over_grpo=out["dapo"]["useful_token_fraction"]
+        / max(out["grpo"]["useful_token_fraction"], 1e-9),
+    )
+    return out
+
+
+def _curve_mean(curve: list[dict]) -> float:
+    """Trapezoid mean of accuracy over generated tokens."""
+    if len(curve) < 2 or curve[-1]["tokens"] == curve[0]["tokens"]:
+        return curve[-1]["accuracy"]
+    area = sum((b["tokens"] - a["tokens"]) * (a["accuracy"] + b["accuracy"]) / 2 for a, b in zip(curve, curve[1:]))
+    return area / (curve[-1]["tokens"] - curve[0]["tokens"])
+
+
+def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
+    g, d = summary["grpo"], summary["dapo"]
+    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
+    rows = [
+        ("final held-out accuracy (greedy)", pct(g["final_accuracy"]), pct(d["final_accuracy"])),
+        ("per seed", ", ".join(pct(x) for x in g["final_accuracy_per_seed"]),
+         ", ".join(pct(x) for x in d["final_accuracy_per_seed"])),
+        ("mean accuracy over the budget", pct(g["mean_accuracy_over_budget"]), pct(d["mean_accuracy_over_budget"])),
+        ("generated tokens", f"{g['generated_tokens']:,.0f}", f"{d['generated_tokens']:,.0f}"),
+        ("useful-token fraction", f"{g['useful_token_fraction']:.3f}", f"{d['useful_token_fraction']:.3f}"),
+        ("optimizer steps", f"{g['optimizer_steps']:.1f}", f"{d['optimizer_steps']:.1f}"),
+        ("generation rounds per step", f"{g['generation_rounds_per_step']:.2f}",
+         f"{d['generation_rounds_per_step']:.2f}"),
+        ("groups with zero reward std (generated)", pct(g["frac_reward_zero_std"]), pct(d["frac_reward_zero_std"])),
+        ("dynamic-sampling pass rate", "-", pct(d["dynamic_sampling_pass_rate"] or 0.0)),
+        ("training wall seconds (eval excluded)", f"{g['wall_seconds']:.1f}", f"{d['wall_seconds']:.1f}"),
+    ]
+    r = summary["ratios"]
+    lines = [
+        "# DAPO vs GRPO on the toy task at an equal generation budget",
+        "",
+        f"Warm-started toy policy (held-out greedy accuracy at start {pct(g['initial_accuracy'])}), "
+        f"{opts.batch} completions per update ({opts.batch // opts.group} prompts x {opts.group}), lr {opts.lr:g}, "
+        f"budget {opts.budget:,} generated tokens per arm, seeds {meta['seeds']}, {meta['eval_size']} held-out "
+        f"problems. GRPO beta = {opts.grpo_beta:g}. Mode: {'quick' if opts.quick else 'full'}.",
+        "",
+        "| metric | GRPO | DAPO |",
+        "|---|---|---|",
+        *[f"| {a} | {b} | {c} |" for a, b, c in rows],
+        "",
+        f"DAPO - GRPO final accuracy: {100 * r['final_accuracy_dapo_minus_grpo']:+.1f} points; "
+        f"wall-time ratio DAPO/GRPO {r['wall_seconds_dapo_over_grpo']:.2f} (same run, arms alternated); "
+        f"useful-token fraction ratio {r['useful_token_fraction_dapo_over_grpo']:.2f}.",
+        "",
+        "The useful-token fraction charges every generated token, including DAPO's discarded groups; with "
+        f"{meta['eval_size']} held-out problems one accuracy value has a standard error of about "
+        f"{100 * (0.25 / meta['eval_size']) ** 0.5:.1f} points.",
+        "",
+        f"Command: `python benchmarks/dapo_vs_grpo.py{' --quick' if opts.quick else ''}`. Plot: dapo.png.",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, runs: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"grpo": "tab:blue", "dapo": "tab:red"}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for run in runs:
+        label = f"{run['arm'].upper()} seed {run['seed']}"
+        xs = [p["tokens"] / 1000 for p in run["curve"]]
+        ys = [p["accuracy"] for p in run["curve"]]
+        axes[0].plot(xs, ys, "o-", ms=3, color=colors[run["arm"]], alpha=0.85, label=label)
+        axes[1].plot([p["seconds"] for p in run["curve"]], ys, "o-", ms=3, color=colors[run["arm"]], alpha=0.85,
+                     label=label)
+    axes[0].set_xlabel("generated tokens (thousands, discarded groups included)")
+    axes[1].set_xlabel("training seconds (evaluation excluded)")
+    for ax in axes:
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("DAPO vs GRPO, toy addition task, equal generation budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny budget: an end-to-end check")
+    parser.add_argument("--budget", type=int, default=None, help="generated tokens per arm (default 300k; quick 3k)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (quick: 0)")
+    parser.add_argument("--batch", type=int, default=None, help="completions per update (default 256; quick 64)")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--grpo-beta", type=float, default=0.04, help="GRPO's KL coefficient (paper: 0.04)")
+    parser.add_argument("--max-num-gen-batches", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=None, help="generated tokens between evaluations")
+    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 500; quick 100)")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    opts = parser.parse_args(argv)
+    opts.budget = opts.budget or (3_000 if opts.quick else 300_000)
+    opts.seeds = opts.seeds or ([0] if opts.quick else [0, 1, 2])
+    opts.batch = opts.batch or (64 if opts.quick else 256)
+    opts.eval_every = opts.eval_every or max(opts.budget // 10, 1)
+    opts.eval_size = opts.eval_size or (100 if opts.quick else 500)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+    kit = toy.prepare(task="addition", verbose=True)
+    eval_dataset = kit.eval_dataset.select(range(min(opts.eval_size, len(kit.eval_dataset))))
+    runs = []
+    for seed in opts.seeds:
+        for arm in ARMS:
+            print(f"[dapo_vs_grpo] {arm} seed {seed}: budget {opts.budget:,} generated tokens", flush=True)
+            run = run_arm(arm, kit, eval_dataset, opts, seed)
+            print(f"[dapo_vs_grpo] {arm} seed {seed}: accuracy {run['initial_accuracy']:.1%} -> "
+                  f"{run['final_accuracy']:.1%}, {run['optimizer_steps']} steps, {run['generated_tokens']:,} tokens, "
+                  f"useful {run['useful_token_fraction']:.3f}, rounds/step {run['generation_rounds_per_step']:.2f}, "
+                  f"{run['wall_seconds']:.1f} s", flush=True)
+            runs.append(run)
+    summary = summarise(runs)
+    meta = dict(seeds=opts.seeds, eval_size=len(eval_dataset), budget_tokens=opts.budget, batch=opts.batch,
+                group=opts.group, lr=opts.lr, grpo_beta=opts.grpo_beta, quick=opts.quick,
+                torch_threads=torch.get_num_threads(), warmstart=kit.warmstart.get("probe_accuracy"))
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"meta": meta, **{arm: summary[arm] for arm in ARMS}, "ratios": summary["ratios"], "runs": runs}
+    (out / "dapo.json").write_text(json.dumps(result, indent=1))
+    write_markdown(out / "dapo.md", summary, opts, meta)
+    plot(out / "dapo.png", runs)
+    print((out / "dapo.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

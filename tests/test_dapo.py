@@ -1,0 +1,375 @@
+"""DAPO: the group filter, dynamic sampling (single and two processes), overlong shaping and filtering.
+
+Run as a script (``torchrun --nproc_per_node 2 tests/test_dapo.py --ddp-worker OUT MODEL``) it is the
+worker of the two-process test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_variants import ConfigError, DynamicSamplingError, get_variant, toy
+from grpo_variants.rewards.builtin import overlong_penalty_value
+from grpo_variants.variants.dapo import DAPOConfig, DAPOTrainer, select_groups
+
+NAN = float("nan")
+
+
+# ------------------------------------------------------------------------------------------------
+# The pure group filter
+# ------------------------------------------------------------------------------------------------
+def test_select_groups_nonzero_std():
+    values = torch.tensor([
+        1.0, 1.0, 1.0, 1.0,  # all correct: dropped
+        -1.0, -1.0, -1.0, -1.0,  # all wrong: dropped
+        1.0, -1.0, -1.0, -1.0,  # kept
+        0.5, 0.5, 0.5, 0.50001,  # not all equal: kept
+        NAN, 1.0, NAN, NAN,  # one scorable value: dropped
+        NAN, 1.0, NAN, 0.0,  # two different scorable values: kept
+        NAN, NAN, NAN, NAN,  # nothing scorable: dropped
+        2.0, 2.0, NAN, 2.0,  # scorable values equal: dropped
+    ])
+    keep = select_groups(values, 4)
+    assert keep.tolist() == [False, False, True, True, False, True, False, False]
+
+
+def test_select_groups_band_pass():
+    # group accuracies with the +1/-1 reward and threshold 0: 0, 1/4, 2/4, 3/4, 1, 1/3 (NaN ignored), none
+    values = torch.tensor([
+        -1.0, -1.0, -1.0, -1.0,
+        1.0, -1.0, -1.0, -1.0,
+        1.0, 1.0, -1.0, -1.0,
+        1.0, 1.0, 1.0, -1.0,
+        1.0, 1.0, 1.0, 1.0,
+        1.0, -1.0, NAN, -1.0,
+        NAN, NAN, NAN, NAN,
+    ])
+    keep = select_groups(values, 4, mode="band", band=(0.25, 0.5))
+    assert keep.tolist() == [False, True, True, False, False, True, False]
+    keep = select_groups(values, 4, mode="band", band=(0.5, 1.0))
+    assert keep.tolist() == [False, False, True, True, True, False, False]
+    # band edges are inclusive; a 0/1 reward with threshold 0.5 gives the same accuracies
+    zero_one = torch.where(values > 0, 1.0, torch.where(torch.isnan(values), NAN, 0.0))
+    keep = select_groups(zero_one, 4, mode="band", band=(0.75, 0.75), correct_threshold=0.5)
+    assert keep.tolist() == [False, False, False, True, False, False, False]
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        select_groups(torch.zeros(6), 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------
+def test_config_defaults_and_validation(tmp_path):
+    spec = get_variant("dapo")
+    assert spec.trainer_cls is DAPOTrainer and spec.config_cls is DAPOConfig
+    args = DAPOConfig(output_dir=str(tmp_path), report_to="none", max_completion_length=20480)
+    assert (args.epsilon, args.epsilon_high, args.beta, args.clip_ratio_c) == (0.2, 0.28, 0.0, 10.0)
+    assert args.loss_type == "dapo" and args.resolved_aggregation == "token_mean"
+    assert args.mask_truncated_completions and args.dynamic_sampling and args.max_num_gen_batches == 10
+    assert args.overlong_penalty and args.resolved_overlong_buffer_len == 4096  # the paper's L_cache
+    with pytest.raises(ConfigError, match="max_num_gen_batches"):
+        DAPOConfig(output_dir=str(tmp_path), report_to="none", max_num_gen_batches=-1)
+    with pytest.raises(ConfigError, match="keeps every group"):
+        DAPOConfig(output_dir=str(tmp_path), report_to="none", dynamic_sampling_filter="band")
+    with pytest.raises(ConfigError, match="dynamic_sampling_filter"):
+        DAPOConfig(output_dir=str(tmp_path), report_to="none", dynamic_sampling_filter="bandpass")
+    with pytest.raises(ConfigError, match="overlong_buffer_len"):
+        DAPOConfig(output_dir=str(tmp_path), report_to="none", max_completion_length=64, overlong_buffer_len=65)
+
+
+def test_construction_errors(toy_model_path, small_train_dataset, make_args):
+    with pytest.raises(ConfigError, match="dynamic_sampling_metric='acc'"):
+        DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1",
+                    args=make_args(DAPOConfig, dynamic_sampling_metric="acc"), train_dataset=small_train_dataset)
+    with pytest.raises(ConfigError, match="map-style"):
+        DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=make_args(DAPOConfig),
+                    train_dataset=small_train_dataset.to_iterable_dataset())
+    with pytest.raises(ConfigError, match="a second time"):
+        DAPOTrainer(model=toy_model_path, reward_funcs=["toy_accuracy_pm1", "dapo_overlong"],
+                    args=make_args(DAPOConfig), train_dataset=small_train_dataset)
+
+
+# ------------------------------------------------------------------------------------------------
+# Dynamic sampling, one process
+# ------------------------------------------------------------------------------------------------
+class _Recorder:
+    """Wraps a trainer's methods to record what reaches the loss and how often it generates."""
+
+    def __init__(self, trainer):
+        self.loss_inputs, self.generate_calls, self.rollouts, self.generated_tokens = [], 0, [], 0
+        compute_loss, generate, rollout = trainer._compute_loss, trainer._generate, trainer._dynamic_sampling_rollout
+
+        def _compute_loss(model, inputs):
+            self.loss_inputs.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+            return compute_loss(model, inputs)
+
+        def _generate(prompts):
+            self.generate_calls += 1
+            result = generate(prompts)
+            self.generated_tokens += sum(len(ids) for ids in result[1])
+            return result
+
+        def _rollout(inputs):
+            out = rollout(inputs)
+            self.rollouts.append((out, trainer.last_dynamic_sampling))
+            return out
+
+        trainer._compute_loss, trainer._generate, trainer._dynamic_sampling_rollout = _compute_loss, _generate, _rollout
+
+
+def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_train_dataset, make_args):
+    # 8 completions per micro-batch, 2 micro-batches per generation: 16 completions = 4 groups of 4 per rollout
+    args = make_args(DAPOConfig, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=2,
+                     overlong_penalty=False, max_num_gen_batches=0)
+    trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
+                          train_dataset=small_train_dataset)
+    rec = _Recorder(trainer)
+    trainer.train()
+
+    assert len(rec.rollouts) == 2 and len(rec.loss_inputs) == 4
+    for out, info in rec.rollouts:
+        # exactly the requested batch: 4 groups, 16 rows, every group with non-equal rewards
+        assert out["completion_ids"].size(0) == args.generation_batch_size == 16
+        assert info.groups_needed == 4 and len(info.group_ids) == 4 and info.values.shape == (4, 4)
+        assert bool((info.values.amax(dim=1) > info.values.amin(dim=1)).all())
+        assert info.groups_kept <= info.groups_generated == 4 * info.rounds
+        assert len(set(info.group_ids)) == 4
+        # num_items_in_batch is the loss-mask token count of the final batch
+        assert int(out["num_items_in_batch"]) == int(out["completion_mask"].sum())
+    for inputs in rec.loss_inputs:
+        assert inputs["completion_ids"].size(0) == 8 == inputs["advantages"].size(0)
+        # binary reward: a group with non-equal rewards gives every member a non-zero advantage
+        assert bool((inputs["advantages"].abs() > 1e-6).all()), "a zero-variance group reached the loss"
+    # ... while the rollouts did generate zero-variance groups (the warm-started toy policy is ~30% accurate)
+    dropped = sum(info.groups_generated - info.groups_kept for _, info in rec.rollouts)
+    assert dropped > 0, "no group was ever dropped: the test would not see a broken filter"
+    assert rec.generate_calls == sum(info.rounds for _, info in rec.rollouts)
+    logged = [r for r in trainer.state.log_history if "dynamic_sampling/pass_rate" in r]
+    assert logged
+    for record in logged:
+        for name in ("groups_generated", "groups_kept", "generation_rounds", "pass_rate"):
+            assert f"dynamic_sampling/{name}" in record
+        assert record["dynamic_sampling/pass_rate"] == pytest.approx(
+            record["dynamic_sampling/groups_kept"] / record["dynamic_sampling/groups_generated"])
+        assert 0.0 < record["useful_token_fraction"] <= record["tokens/kept_fraction"] + 1e-9
+    # dropped groups' tokens are charged: every generated token counts, not only those of the final batches
+    kept_tokens = sum(int(inputs["generated_mask"].sum()) for inputs in rec.loss_inputs)
+    assert trainer._tokens_generated_total == rec.generated_tokens > kept_tokens
+    state = trainer.variant_state_dict()
+    assert state["dapo_generation_rounds_total"] == rec.generate_calls
+    assert (state["dapo_stream_epoch"], state["dapo_stream_chunk"]) == (0, sum(i.rounds - 1 for _, i in rec.rollouts))
+
+
+def test_retry_cap_raises_clear_error(toy_model_path, small_train_dataset, make_args):
+    def constant_reward(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = DAPOTrainer(model=toy_model_path, reward_funcs=constant_reward,
+                          args=make_args(DAPOConfig, max_num_gen_batches=3), train_dataset=small_train_dataset)
+    rec = _Recorder(trainer)
+    with pytest.raises(DynamicSamplingError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert "found only 0 qualifying groups of the 4" in message
+    assert "max_num_gen_batches=3" in message and "12 groups generated" in message
+    assert "raise max_num_gen_batches" in message and "band-pass" in message
+    assert rec.generate_calls == 3
+
+
+def test_surplus_groups_are_cut_keeping_the_first(toy_model_path, small_train_dataset, make_args):
+    def always_varies(prompts, completions, **kwargs):  # every group qualifies: round 1 fills the batch
+        return [float(i % 2) for i in range(len(completions))]
+
+    trainer = DAPOTrainer(model=toy_model_path, reward_funcs=always_varies,
+                          args=make_args(DAPOConfig, max_steps=1), train_dataset=small_train_dataset)
+    rec = _Recorder(trainer)
+    trainer.train()
+    (_, info), = rec.rollouts
+    assert info.rounds == 1 and rec.generate_calls == 1
+    assert info.group_ids == [(0, 0), (0, 1), (0, 2), (0, 3)]
+
+
+def test_prompt_stream_resumes_exactly(toy_model_path, make_args):
+    # 13 prompts, 4 groups per round: 3 rounds per epoch (one prompt left over), so 7 draws cross two epochs
+    data = toy.make_dataset(n=13)
+    make = lambda: DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=make_args(DAPOConfig),
+                               train_dataset=data)
+
+    def draw(trainer, n):
+        out = []
+        for _ in range(n):
+            batch = trainer._draw_prompts()
+            assert len(batch) == 16
+            prompts = [row["prompt"] for row in batch]
+            assert all(prompts[i] == prompts[i - i % 4] for i in range(16))  # groups of 4 identical prompts
+            out.append(prompts[::4])
+        return out
+
+    first = make()
+    head = draw(first, 4)
+    state = first.variant_state_dict()
+    tail = draw(first, 3)
+    assert (state["dapo_stream_epoch"], state["dapo_stream_chunk"]) == (1, 1)
+    assert len(set(sum(head[:3], []))) == 12  # one epoch: 12 distinct prompts
+    assert head[3] != head[0]  # a new permutation in the new epoch
+    resumed = make()
+    resumed.load_variant_state_dict(state)
+    assert draw(resumed, 3) == tail
+    assert draw(make(), 7) == head + tail  # deterministic from the seed
+
+
+# ------------------------------------------------------------------------------------------------
+# Overlong shaping (eq. 13) and overlong filtering
+# ------------------------------------------------------------------------------------------------
+def test_overlong_penalty_is_added_and_applied(toy_model_path, small_train_dataset, make_args):
+    args = make_args(DAPOConfig, max_steps=1, dynamic_sampling=False, overlong_buffer_len=3,
+                     reward_weights=[2.0])
+    trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
+                          train_dataset=small_train_dataset)
+    assert trainer.reward_func_names == ["toy_accuracy_pm1", "overlong_penalty"]
+    assert trainer.reward_weights.tolist() == [2.0, 1.0] and args.reward_weights == [2.0]  # caller's config intact
+    seen = {}
+    calculate = trainer._calculate_rewards
+
+    def _calculate_rewards(inputs, prompts, completions, completion_ids_list):
+        seen["lengths"] = [len(ids) for ids in completion_ids_list]
+        seen["rewards"] = calculate(inputs, prompts, completions, completion_ids_list)
+        seen["weighted"] = trainer.weighted_rewards()
+        return seen["rewards"]
+
+    trainer._calculate_rewards = _calculate_rewards
+    trainer.train()
+    rewards = seen["rewards"]
+    expected = [overlong_penalty_value(n, 6, 3) for n in seen["lengths"]]  # L_max = max_completion_length = 6
+    assert rewards[:, 1].tolist() == pytest.approx(expected)
+    assert any(v < 0 for v in expected), "no completion reached the soft buffer: the check would be vacuous"
+    assert seen["weighted"].tolist() == pytest.approx((2.0 * rewards[:, 0] + rewards[:, 1]).tolist())
+    # the three regions and both boundaries of eq. 13 at L_max=6, L_cache=3
+    assert [overlong_penalty_value(n, 6, 3) for n in (2, 3, 4, 5, 6, 7)] == pytest.approx(
+        [0.0, 0.0, -1 / 3, -2 / 3, -1.0, -1.0])
+
+
+def test_truncated_completions_get_no_gradient(toy_model_path, small_train_dataset, make_args):
+    # 3 new tokens: "82</s>" fits, "123</s>" is truncated
+    args = make_args(DAPOConfig, max_steps=1, max_completion_length=3, dynamic_sampling=False)
+    trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
+                          train_dataset=small_train_dataset)
+    rec = _Recorder(trainer)
+    trainer.train()
+    inputs = rec.loss_inputs[0]
+    eos = trainer.processing_class.eos_token_id
+    truncated = ~(inputs["completion_ids"] == eos).any(dim=1)
+    assert truncated.any() and (~truncated).any()
+    assert int(inputs["completion_mask"][truncated].sum()) == 0
+    assert bool((inputs["completion_mask"][~truncated].sum(dim=1) > 0).all())
+
+    def loss_and_grads(batch):
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer._compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    base_loss, base_grads = loss_and_grads(inputs)
+    changed = dict(inputs)
+    changed["advantages"] = torch.where(truncated, torch.full_like(inputs["advantages"], 100.0), inputs["advantages"])
+    loss, grads = loss_and_grads(changed)
+    assert torch.allclose(loss, base_loss) and all(torch.allclose(a, b) for a, b in zip(grads, base_grads))
+    # control: the same change on a kept row does move the loss
+    kept = dict(inputs)
+    kept["advantages"] = torch.where(~truncated, inputs["advantages"] + 1.0, inputs["advantages"])
+    assert not torch.allclose(loss_and_grads(kept)[0], base_loss)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two processes: groups straddle ranks
+# ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_operand(prompt: str) -> int:
+    return int(prompt.split("+")[0].split("-")[0])
+
+
+def parity_reward(prompts, completions, **kwargs):
+    """Constant (dropped) for an even first operand; otherwise the parity of the completion's characters."""
+    return [0.0 if _first_operand(p) % 2 == 0 else float(sum(map(ord, c)) % 2) for p, c in zip(prompts, completions)]
+
+
+@pytest.mark.slow
+def test_two_processes_keep_identical_groups(toy_model_path, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), __file__, "--ddp-worker", str(tmp_path), toy_model_path]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["rollouts"] and len(ranks[0]["rollouts"]) == len(ranks[1]["rollouts"]) == 3
+    assert ranks[0]["generate_calls"] == ranks[1]["generate_calls"]  # lock-step
+    for r0, r1 in zip(ranks[0]["rollouts"], ranks[1]["rollouts"], strict=True):
+        assert r0["global_prompts"] == r1["global_prompts"] and r0["group_ids"] == r1["group_ids"]
+        assert len(r0["local_prompts"]) == len(r1["local_prompts"]) == 6  # equal local batch sizes
+        assert r0["local_prompts"] + r1["local_prompts"] == r0["global_prompts"]  # contiguous re-slicing
+        prompts = r0["global_prompts"]
+        assert len(prompts) == 12
+        for g in range(3):  # each group's 4 rows share their prompt, even when they came from both ranks
+            assert len(set(prompts[4 * g : 4 * g + 4])) == 1
+            assert _first_operand(prompts[4 * g]) % 2 == 1, "a constant-reward group was kept"
+        assert all(len(set(v)) > 1 for v in r0["values"])
+        assert r0["num_items"] == r1["num_items"] == r0["mask_tokens_0"] + r1["mask_tokens_0"]
+    assert any(r["rounds"] > 1 for r in ranks[0]["rollouts"]), "never re-sampled: extra-prompt path untested"
+    assert all(n == 6 for n in ranks[0]["loss_batch_sizes"] + ranks[1]["loss_batch_sizes"])
+
+
+def _ddp_worker(out_dir: str, model_path: str) -> None:
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import tiny_args
+
+    rank = int(os.environ["RANK"])
+    args = tiny_args(DAPOConfig, output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=6,
+                     num_generations=4, max_steps=3, max_num_gen_batches=0)
+    data = toy.make_dataset(n=240)
+
+    class Worker(DAPOTrainer):
+        def _on_dynamic_sampling_batch(self, batch, info):
+            texts = self.processing_class.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
+            record = {"global_prompts": texts, "group_ids": info.group_ids, "rounds": info.rounds,
+                      "values": info.values.tolist()}
+            log["rollouts"].append(record)
+
+        def _local_slice(self, full, local):
+            out = super()._local_slice(full, local)
+            record = log["rollouts"][-1]
+            record["local_prompts"] = self.processing_class.batch_decode(out["prompt_ids"], skip_special_tokens=True)
+            record["num_items"] = int(out["num_items_in_batch"])
+            record["mask_tokens_0"] = int(out["completion_mask"].sum())
+            return out
+
+        def _generate(self, prompts):
+            log["generate_calls"] += 1
+            return super()._generate(prompts)
+
+        def _compute_loss(self, model, inputs):
+            log["loss_batch_sizes"].append(int(inputs["completion_ids"].size(0)))
+            return super()._compute_loss(model, inputs)
+
+    log = {"rollouts": [], "generate_calls": 0, "loss_batch_sizes": []}
+    trainer = Worker(model=model_path, reward_funcs=parity_reward, args=args, train_dataset=data)
+    assert trainer.accelerator.num_processes == 2
+    trainer.train()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(log))
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--ddp-worker":
+    _ddp_worker(sys.argv[2], sys.argv[3])
