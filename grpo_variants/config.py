@@ -13,6 +13,8 @@ slow or fail). Set them explicitly to override.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -120,10 +122,70 @@ class GRPOVariantConfig(GRPOConfig):
             self.bf16 = False
         if self.gradient_checkpointing is None:
             self.gradient_checkpointing = not no_cuda
-        super().__post_init__()
+        self._validate_batch_fields()
+        try:
+            super().__post_init__()
+        except ConfigError:
+            raise
+        except ValueError as err:  # TRL's / transformers' own checks: same message, our documented type
+            raise ConfigError(str(err)) from err
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         self._validate_variant_fields()
+
+    def _validate_batch_fields(self) -> None:
+        """Check the generation-batch arithmetic before TRL does (TRL raises a bare ValueError).
+
+        TRL needs whole prompt groups in every generation batch: generation_batch_size =
+        per_device_train_batch_size x processes x steps_per_generation must be divisible by
+        num_generations. The process count is read from WORLD_SIZE (set by torchrun / accelerate).
+        """
+        G = self.num_generations
+        if G is None or self.per_device_train_batch_size is None:
+            return
+        if G < 2:
+            raise ConfigError(
+                f"num_generations ({G}) must be >= 2: GRPO normalises each reward within a group of completions "
+                "of the same prompt. Use e.g. num_generations=8."
+            )
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ConfigError(
+                f"generation_batch_size ({self.generation_batch_size}) and steps_per_generation "
+                f"({self.steps_per_generation}) are both set; set only one (the other is derived)."
+            )
+        world = max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
+        per_step = self.per_device_train_batch_size * world
+        hint = (
+            "per_device_train_batch_size counts completions, not prompts: make the generation batch a multiple of "
+            "num_generations"
+        )
+        if self.generation_batch_size is not None:
+            gen = self.generation_batch_size
+            if gen % per_step != 0:
+                raise ConfigError(
+                    f"generation_batch_size ({gen}) must be divisible by per_device_train_batch_size "
+                    f"({self.per_device_train_batch_size}) x processes ({world}) = {per_step}. Use a multiple of "
+                    f"{per_step}, e.g. {sorted({max(gen // per_step, 1) * per_step, (gen // per_step + 1) * per_step})}."
+                )
+            source = f"generation_batch_size ({gen})"
+        else:
+            spg = self.steps_per_generation if self.steps_per_generation is not None else self.gradient_accumulation_steps
+            gen = per_step * spg
+            source = (
+                f"the generation batch per_device_train_batch_size ({self.per_device_train_batch_size}) x processes "
+                f"({world}) x {'steps_per_generation' if self.steps_per_generation is not None else 'gradient_accumulation_steps'}"
+                f" ({spg}) = {gen}"
+            )
+        if gen % G != 0:
+            factor = gen // self.per_device_train_batch_size  # processes x steps per generation
+            unit = G // math.gcd(factor, G)  # per_device_train_batch_size must be a multiple of this
+            p = self.per_device_train_batch_size
+            near = sorted({max(unit, p // unit * unit), (p // unit + 1) * unit})
+            raise ConfigError(
+                f"{source} is not divisible by num_generations ({G}): every prompt's group of {G} completions must "
+                f"fit in one generation batch. {hint}, e.g. per_device_train_batch_size in {near}, or change "
+                f"num_generations to a divisor of {gen}."
+            )
 
     def _validate_variant_fields(self) -> None:
         from grpo_variants.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS  # local: avoid import cycle

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"toy policy: {kit.model_path} (warm start: {kit.warmstart.get('steps')} supervised steps)")
     before = toy.evaluate(kit.model_path, kit.eval_dataset)
     print(f"held-out greedy accuracy BEFORE GRPO: {before:.1%} on {len(kit.eval_dataset)} unseen problems")
+    metrics_path.write_text(json.dumps({"step": 0, "wall_seconds": 0.0, "eval_toy_accuracy": before}) + "\n")
 
     spec = get_variant(args.variant)
     config = spec.config_cls(

@@ -703,9 +703,9 @@ def compute_policy_loss(
         if ref_logp is None:
             raise ConfigError("beta > 0 needs ref_logp (the reference model's per-token log-probs).")
         kl = get_kl_estimator(spec.kl_estimator)(logp, ref_logp)
-        stats["kl"] = kl.detach()
         if spec.kl_ratio_correction:  # DeepSeek-V3.2 / TRL use_bias_correction_kl: weight by the (live) ratio
             kl = kl * ratio
+        stats["kl"] = kl.detach()  # the KL term actually added (ratio-weighted when corrected), as TRL logs it
         per_token_loss = per_token_loss + spec.beta * kl
 
     loss = aggregate(

@@ -16,6 +16,7 @@ The trainer wraps TRL rather than copying it:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -183,6 +184,7 @@ class GRPOVariantTrainer(GRPOTrainer):
         self._tokens_generated_total = 0
         self._tokens_useful_total = 0
         self._generation_rounds_total = 0
+        self._completions_generated_total = 0  # every completion generated in training (drafts included)
         self._kept_fraction = 1.0  # kept tokens / generated tokens of the last rollout (filters, drafts)
         self._consecutive_nonfinite = 0
         self._rollouts_started = 0
@@ -201,6 +203,10 @@ class GRPOVariantTrainer(GRPOTrainer):
             **kwargs,
         )
         self.loss_spec = self._build_loss_spec()
+        if torch.cuda.is_available():  # model FLOPs utilisation (throughput/mfu); never logged on CPU
+            from grpo_variants.callbacks import MFUCallback
+
+            self.add_callback(MFUCallback(self))
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -289,6 +295,7 @@ class GRPOVariantTrainer(GRPOTrainer):
             "tokens_generated_total": self._tokens_generated_total,
             "tokens_useful_total": self._tokens_useful_total,
             "generation_rounds_total": self._generation_rounds_total,
+            "completions_generated_total": self._completions_generated_total,
             "kept_fraction": self._kept_fraction,
         }
 
@@ -297,7 +304,32 @@ class GRPOVariantTrainer(GRPOTrainer):
         self._tokens_generated_total = state.get("tokens_generated_total", 0)
         self._tokens_useful_total = state.get("tokens_useful_total", 0)
         self._generation_rounds_total = state.get("generation_rounds_total", 0)
+        self._completions_generated_total = state.get("completions_generated_total", 0)
         self._kept_fraction = state.get("kept_fraction", 1.0)
+
+    # ---- checkpoints, resume, signals (grpo_variants.reliability) --------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """``Trainer.train`` with exact resume, atomic checkpoints, save-on-signal and a non-finite guard.
+
+        ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint. With ``save_on_signal``
+        a SIGTERM / SIGINT saves a checkpoint at the next optimizer step, then raises ``SystemExit(143)``
+        / ``KeyboardInterrupt``. See :mod:`grpo_variants.reliability`.
+        """
+        from grpo_variants.reliability import run_train
+
+        return run_train(self, super().train, resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _save_checkpoint(self, model, trial):
+        from grpo_variants.reliability import save_checkpoint_atomically
+
+        save_checkpoint_atomically(self, functools.partial(super()._save_checkpoint, model, trial), trial)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            from grpo_variants.reliability import load_resume_state
+
+            load_resume_state(self, checkpoint)
 
     # ---- timing and token accounting -------------------------------------------------------------
     @contextmanager
@@ -317,13 +349,28 @@ class GRPOVariantTrainer(GRPOTrainer):
         local = sum(len(ids) for ids in completion_ids)
         total = int(self.accelerator.gather(torch.tensor([local], device=self.accelerator.device)).sum().item())
         self._tokens_generated_round += total
+        self._completions_generated_total += len(completion_ids) * self.accelerator.num_processes
         return result
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self._timed("reward"):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._last_rewards_per_func = rewards_per_func  # gathered over processes: (global batch, n_funcs)
+        self._log_reward_health()
         return rewards_per_func
+
+    def _log_reward_health(self) -> None:
+        """Error / timeout / NaN / cache-hit rates and time of every wrapped reward, averaged over processes."""
+        keys = ("error_rate", "timeout_rate", "nan_rate", "cache_hit_rate", "time_s")
+        mode = "train" if self.model.training else "eval"
+        for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
+            if not hasattr(func, "pop_metrics"):
+                continue
+            local = func.pop_metrics()
+            values = torch.tensor([float(local[k]) for k in keys], device=self.accelerator.device)
+            values = self.accelerator.reduce(values, reduction="mean")
+            for key, value in zip(keys, values.tolist(), strict=True):
+                self._metrics[mode][f"rewards/{name}/{key}"].append(value)
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         if not self._in_rollout:
@@ -421,6 +468,9 @@ class GRPOVariantTrainer(GRPOTrainer):
         start = time.perf_counter()
         self._last_prepare_seconds = 0.0
         loss = super().training_step(model, inputs, num_items_in_batch)
+        guard = getattr(self, "_nonfinite_guard", None)
+        if guard is not None:  # non-finite losses skip the optimizer step (grpo_variants.reliability)
+            guard.note_loss(loss)
         elapsed = time.perf_counter() - start - self._last_prepare_seconds
         self._metrics["train"]["time/update_s"].append(max(elapsed, 0.0))
         if torch.cuda.is_available():

@@ -1,0 +1,197 @@
+"""Worker for tests/test_resume.py and tests/test_signals.py: one tiny training run per call, results to JSON.
+
+    python tests/_resume_worker.py --variant base --out DIR --max-steps 6 --save-steps 3 \
+        [--reference REF_DIR] [--hang-after-save 3] [--resume] [--marker-at-step N]
+
+* ``--reference REF_DIR`` first trains the same config uninterrupted in REF_DIR (result in
+  REF_DIR/result.json), then does the main run in the same process.
+* ``--hang-after-save K`` writes ``OUT/hang.marker`` once checkpoint-K has been saved (after the
+  trainer's save, i.e. after the atomic rename) and sleeps: the test SIGKILLs the process.
+* ``--resume`` resumes from the newest complete checkpoint in OUT (``resume_from_checkpoint=True``).
+* ``--marker-at-step N`` writes ``OUT/step.marker`` at the end of optimizer step N and holds
+  that step's end until a signal has arrived (the signal test then sends SIGTERM), so the signal
+  lands at a known step. ``--slow-reward S`` sleeps S seconds in every reward call.
+* ``--nan-at-step S --nan-rank R`` makes the loss value NaN at step S on process R only (finite
+  gradient): every process must skip that update together.
+* ``--slow-save-at K`` sleeps in the middle of saving checkpoint-K (after the model is written,
+  before the optimizer) and writes ``OUT/saving.marker`` (the kill-during-save test).
+
+Each run writes OUT/result.json: the per-step log records and where the final weights are
+(``OUT/final``, saved with ``save_model``). Works under ``torchrun`` too (every rank trains; rank 0
+writes the result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("GRPO_VARIANTS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "grpo_variants"))
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+import grpo_variants  # noqa: E402, F401  (installs the CPU distributed shim under torchrun)
+from grpo_variants import GRPOVariantConfig, GRPOVariantTrainer, get_variant, toy  # noqa: E402
+
+NUM_PROMPTS = 8  # a tiny dataset: several epochs in a few steps (exercises the per-epoch data order)
+
+# Settings that make a resume land in the middle of a generation batch (and of a µ-GRPO stage).
+MID_BATCH = {
+    "base": {"steps_per_generation": 2, "num_iterations": 2},
+    "mu_grpo": {"stage_prompts": 8, "updates_per_stage": 4},  # 2 mini-batches x 2 passes per stage
+}
+DEFAULT_MID_BATCH = {"steps_per_generation": 2}
+
+
+def build_config(variant: str, out: Path, max_steps: int, save_steps: int, extra: dict):
+    config_cls = GRPOVariantConfig if variant == "base" else get_variant(variant).config_cls
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    values = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=16 // world,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=max_steps,
+        learning_rate=1e-4,
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        weight_decay=0.01,
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        report_to="none",
+        seed=0,
+        bf16=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    values.update(MID_BATCH.get(variant, DEFAULT_MID_BATCH))
+    values.update(extra)
+    return config_cls(**values), (GRPOVariantTrainer if variant == "base" else get_variant(variant).trainer_cls)
+
+
+class _Hooks(TrainerCallback):
+    def __init__(self, out: Path, opts, trainer):
+        self.out, self.opts, self.trainer = out, opts, trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.opts.hang_after_save and state.global_step == self.opts.hang_after_save:
+            if state.is_world_process_zero:
+                (self.out / "hang.marker").write_text(str(state.global_step))
+            time.sleep(3600)  # the test SIGKILLs us here
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.opts.marker_at_step and state.global_step == self.opts.marker_at_step:
+            if state.is_world_process_zero:
+                (self.out / "step.marker").write_text(str(state.global_step))
+            # wait (up to 2 minutes) for the test's signal, so that it lands at a known step
+            deadline = time.monotonic() + 120
+            while getattr(self.trainer._signal_watcher, "received", None) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def _slow(reward, seconds):
+    def slow_reward(*args, **kwargs):
+        time.sleep(seconds)
+        return reward(*args, **kwargs)
+
+    slow_reward.__name__ = "toy_accuracy"
+    return slow_reward
+
+
+def train_once(opts, out: Path, hooks: bool, resume: bool) -> dict:
+    kit = toy.prepare(task="addition", verbose=False)
+    dataset = kit.train_dataset.select(range(opts.num_prompts))
+    extra = json.loads(opts.extra) if opts.extra else {}
+    args, trainer_cls = build_config(opts.variant, out, opts.max_steps, opts.save_steps, extra)
+    reward = toy.toy_accuracy if not opts.slow_reward else _slow(toy.toy_accuracy, opts.slow_reward)
+    if opts.nan_at_step:
+        trainer_cls = _with_nan_loss(trainer_cls, opts.nan_at_step, opts.nan_rank)
+    trainer = trainer_cls(model=kit.model_path, reward_funcs=reward, args=args, train_dataset=dataset)
+    if hooks:
+        trainer.add_callback(_Hooks(out, opts, trainer))
+    if opts.slow_save_at:
+        original = trainer._save_optimizer_and_scheduler
+
+        def slow_save(output_dir):
+            if trainer.state.global_step == opts.slow_save_at:
+                if trainer.args.should_save:
+                    (out / "saving.marker").write_text(output_dir)
+                time.sleep(3600)  # killed here, mid-save
+            return original(output_dir)
+
+        trainer._save_optimizer_and_scheduler = slow_save
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.save_model(str(out / "final"))
+    records = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
+    result = {"variant": opts.variant, "global_step": trainer.state.global_step, "records": records,
+              "final": str(out / "final")}
+    digest = hashlib.sha256()
+    for name, p in sorted(trainer.model.named_parameters()):
+        digest.update(name.encode() + p.detach().cpu().numpy().tobytes())
+    rank = trainer.accelerator.process_index
+    (out / f"weights_rank{rank}.sha256").write_text(digest.hexdigest())  # ranks must hold identical weights
+    if trainer.accelerator.is_main_process:
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _with_nan_loss(trainer_cls, step: int, rank: int):
+    """The loss *value* becomes NaN at optimizer step ``step`` (1-based) on process ``rank`` only; the gradient
+    stays finite, so only the all-reduced loss flag makes every process skip that update together."""
+
+    class NaNLoss(trainer_cls):
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            if self.state.global_step == step - 1 and self.accelerator.process_index == rank and self.model.training:
+                loss = loss + float("nan") * loss.detach()
+            return loss
+
+    return NaNLoss
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variant", default="base")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--save-steps", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    parser.add_argument("--reference", default=None)
+    parser.add_argument("--hang-after-save", type=int, default=0)
+    parser.add_argument("--marker-at-step", type=int, default=0)
+    parser.add_argument("--slow-reward", type=float, default=0.0)
+    parser.add_argument("--slow-save-at", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--nan-at-step", type=int, default=0, help="NaN loss value at this step (1-based)")
+    parser.add_argument("--nan-rank", type=int, default=0, help="... on this process only")
+    parser.add_argument("--extra", default="", help="JSON dict of extra config fields")
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # the test kills every rank by pid (torchrun starts its workers in their own process groups)
+    (out / f"pid_rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+    if opts.reference:
+        ref = Path(opts.reference)
+        ref.mkdir(parents=True, exist_ok=True)
+        reference_opts = argparse.Namespace(**{**vars(opts), "slow_reward": 0.0, "slow_save_at": 0})
+        train_once(reference_opts, ref, hooks=False, resume=False)
+    train_once(opts, out, hooks=True, resume=opts.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
