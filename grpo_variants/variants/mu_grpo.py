@@ -1,0 +1,418 @@
+"""µ-GRPO — stage-based off-policy GRPO (Tian, Xie and Wei, "How Off-Policy Can GRPO Be? µ-GRPO for
+Efficient LLM Reinforcement Learning", arXiv:2605.17570, May 2026; no public code).
+
+µ = optimizer updates per rollout refresh. Training is a few large *stages* (the paper: 4 stages x
+µ = 1,024 updates instead of 1,024 refreshes). A stage (``shared/spec/ALGORITHMS.md``, "µ-GRPO"):
+
+1. freeze the policy as the behaviour policy pi_behav;
+2. sample G completions for each of ``stage_prompts`` prompts (in ``generation_chunk_prompts``
+   chunks sized for memory), and store every response with its group-normalised advantage, its
+   token-level behaviour log-probs and the policy version (global step) that produced it;
+3. release the rollout engine's memory (gc, CUDA cache, colocated vLLM to sleep);
+4. run µ optimizer updates on mini-batches of the stage buffer with r = pi_theta / pi_behav
+   taken from the stored log-probs, using
+
+   * relaxed clipping: ratio bounds [mu_clip_lower, mu_clip_upper] = [0, 5] (eps_low = 1,
+     eps_high = 4); ``relaxed_clip=False`` keeps ``epsilon`` / ``epsilon_high`` ([0.8, 1.2]);
+   * the negative-advantage veto (``veto_scope``, default H_kappa, threshold 1e-4), recomputed at
+     every update from the current policy (the base trainer's loss applies it).
+
+µ = 1 is exactly on-policy GRPO (ratio 1: no clipping, no veto trigger).
+
+The stage is mapped onto TRL's own buffering, which already generates one batch, splits it into
+``steps_per_generation`` micro-batches and reuses them ``num_iterations`` times, computing the
+behaviour log-probs (``old_per_token_logps``) whenever generation and optimizer steps are not
+aligned. The config derives those fields from the stage, the trainer wraps TRL's rollout (one
+``super()`` call per chunk) and adds the stage bookkeeping. Mini-batches of a stage are drawn by
+one shuffle of the buffer and visited in that order on every pass (TRL's order).
+
+A checkpoint taken mid-stage resumes mid-stage: the base checkpoint (``grpo_variants.reliability``)
+stores TRL's micro-step counter and the buffered stage, so the same buffer is used in the same
+remaining mini-batch order; :meth:`MuGRPOTrainer.variant_state_dict` adds the stage counters.
+
+Costs of the mapping: with HF generate the stage pays one forward pass over every sequence for the
+behaviour log-probs (on-policy GRPO skips it there; with vLLM both compute it), and TRL's data
+loader hands the whole stage's prompt rows to every micro-step (about 30 ms per update for a
+4,096-row stage on CPU; ``benchmarks/mu_grpo_speedup.py`` measures both).
+
+Choices where the paper is silent (ALGORITHMS.md): veto threshold 1e-4; loss aggregation GRPO's
+seq-mean-token-mean; no KL term (beta = 0).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo_variants.config import GRPOVariantConfig
+from grpo_variants.errors import ConfigError, DatasetError, GRPOVariantsError
+from grpo_variants.losses import relaxed_clip_eps
+from grpo_variants.registry import register_variant
+from grpo_variants.trainer import _FORWARD_KEYS, GRPOVariantTrainer
+
+__all__ = ["MuGRPOConfig", "MuGRPOTrainer"]
+
+_UNCHUNKABLE_KEYS = tuple(k for k in _FORWARD_KEYS if k != "token_type_ids") + ("num_images", "num_tiles")
+
+
+def _nearby_multiples(value: int, unit: int, count: int = 3) -> list[int]:
+    """Up to ``count`` positive multiples of ``unit`` closest to ``value``."""
+    base = max(unit, (value // unit) * unit)
+    candidates = {base, base + unit, max(unit, base - unit), base + 2 * unit}
+    return sorted(sorted(candidates, key=lambda x: (abs(x - value), x))[:count])
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class MuGRPOConfig(GRPOVariantConfig):
+    """µ-GRPO: stage size, updates per stage (µ), relaxed clipping and the negative-advantage veto.
+
+    ``steps_per_generation``, ``generation_batch_size`` and ``num_iterations`` are derived from the
+    stage (leave them unset): completions per update = per_device_train_batch_size x
+    gradient_accumulation_steps x world_size; mini-batches per pass = stage_prompts x num_generations /
+    completions per update; num_iterations = µ / mini-batches per pass; steps_per_generation =
+    mini-batches per pass x gradient_accumulation_steps.
+    """
+
+    variant: str | None = field(default="mu_grpo")
+    loss_type: str = field(default="grpo")
+    scale_rewards: str = field(default="group")
+    beta: float = field(default=0.0)
+    learning_rate: float = field(default=1e-6)
+    epsilon: float | None = field(
+        default=None,
+        metadata={"help": "Lower clip width. With relaxed_clip=True it is derived from mu_clip_lower (leave unset); "
+                  "otherwise defaults to 0.2."},
+    )
+    veto_scope: str | None = field(
+        default="H_kappa",
+        metadata={"help": "Negative-advantage veto scope: T | S_kappa | H_kappa (paper) | S_seq | None (off)."},
+    )
+    # ---- stages ---------------------------------------------------------------------------------
+    updates_per_stage: int = field(
+        default=1024, metadata={"help": "µ: optimizer updates per stage (per rollout refresh). 1 = on-policy GRPO."}
+    )
+    stage_prompts: int = field(
+        default=1024,
+        metadata={"help": "Prompts sampled per stage (all processes together); each gets num_generations completions."},
+    )
+    num_stages: int | None = field(
+        default=None, metadata={"help": "If set, max_steps = num_stages x updates_per_stage (the paper: 4)."}
+    )
+    generation_chunk_prompts: int | None = field(
+        default=None,
+        metadata={
+            "help": "Prompts per generation call on each process (memory bound for HF generate); None = the whole "
+            "local stage in one call (recommended with vLLM, whose scheduler batches internally)."
+        },
+    )
+    release_generation_memory: bool = field(
+        default=True,
+        metadata={"help": "After a stage's rollout: keep colocated vLLM asleep; with CUDA, gc + empty the cache."},
+    )
+    # ---- relaxed clipping -------------------------------------------------------------------------
+    relaxed_clip: bool = field(
+        default=True,
+        metadata={
+            "help": "Clip the ratio to [mu_clip_lower, mu_clip_upper] (paper: [0, 5]); False: epsilon/epsilon_high."
+        },
+    )
+    mu_clip_lower: float = field(default=0.0, metadata={"help": "Relaxed clipping lower ratio bound (0 <= . < 1)."})
+    mu_clip_upper: float = field(default=5.0, metadata={"help": "Relaxed clipping upper ratio bound (> 1)."})
+
+    def __post_init__(self):
+        if isinstance(self.veto_scope, str) and self.veto_scope.strip().lower() in ("none", "null", "off", ""):
+            self.veto_scope = None  # command lines spell "no veto" as a string
+        self._set_clip_widths()
+        # The stage derives these; keep what the user passed to compare after TRL's own derivation.
+        requested = {
+            "steps_per_generation": self.steps_per_generation,
+            "generation_batch_size": self.generation_batch_size,
+            "num_iterations": self.num_iterations,
+        }
+        self.steps_per_generation = None
+        self.generation_batch_size = None
+        self.num_iterations = 1
+        super().__post_init__()
+        self._derive_stage(requested)
+
+    def _set_clip_widths(self) -> None:
+        if self.relaxed_clip:
+            eps_low, eps_high = relaxed_clip_eps(self.mu_clip_lower, self.mu_clip_upper)
+            given = (("epsilon", self.epsilon, eps_low), ("epsilon_high", self.epsilon_high, eps_high))
+            for name, value, derived in given:
+                if value is not None and not math.isclose(value, derived):
+                    raise ConfigError(
+                        f"relaxed_clip=True derives {name}={derived} from the ratio bounds [mu_clip_lower, "
+                        f"mu_clip_upper] = [{self.mu_clip_lower}, {self.mu_clip_upper}], but {name}={value} was "
+                        "given. Set the bounds instead, or relaxed_clip=False to use epsilon/epsilon_high."
+                    )
+            self.epsilon, self.epsilon_high = eps_low, eps_high
+        elif self.epsilon is None:
+            self.epsilon = 0.2
+
+    def _derive_stage(self, requested: dict) -> None:
+        G = self.num_generations
+        if self.updates_per_stage < 1:
+            raise ConfigError(f"updates_per_stage (µ) must be >= 1; got {self.updates_per_stage}.")
+        if self.stage_prompts < 1:
+            raise ConfigError(f"stage_prompts must be >= 1; got {self.stage_prompts}.")
+        world = self.world_size
+        per_update = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
+        stage_completions = self.stage_prompts * G
+        unit = per_update // math.gcd(per_update, G)  # stage_prompts must be a multiple of this
+        if stage_completions < per_update:
+            raise ConfigError(
+                f"µ-GRPO stage smaller than one mini-batch: stage_prompts ({self.stage_prompts}) x num_generations "
+                f"({G}) = {stage_completions} completions, but one update takes per_device_train_batch_size "
+                f"({self.per_device_train_batch_size}) x gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}) x world_size ({world}) = {per_update}. Use stage_prompts in "
+                f"{_nearby_multiples(self.stage_prompts, unit)} or a smaller per_device_train_batch_size."
+            )
+        if stage_completions % per_update != 0:
+            raise ConfigError(
+                f"µ-GRPO stage not divisible into mini-batches: stage_prompts ({self.stage_prompts}) x num_generations "
+                f"({G}) = {stage_completions} completions is not a multiple of the {per_update} completions per update "
+                f"(per_device_train_batch_size x gradient_accumulation_steps x world_size). Use stage_prompts in "
+                f"{_nearby_multiples(self.stage_prompts, unit)}."
+            )
+        mini_batches = stage_completions // per_update
+        if self.updates_per_stage % mini_batches != 0:
+            raise ConfigError(
+                f"updates_per_stage (µ = {self.updates_per_stage}) must be a multiple of the {mini_batches} "
+                f"mini-batches per pass over the stage (stage_prompts x num_generations / completions per update), so "
+                f"that every stored response is used equally often. Use updates_per_stage in "
+                f"{_nearby_multiples(self.updates_per_stage, mini_batches)}, or change stage_prompts."
+            )
+        derived = {
+            "num_iterations": self.updates_per_stage // mini_batches,
+            "steps_per_generation": mini_batches * self.gradient_accumulation_steps,
+            "generation_batch_size": stage_completions,
+        }
+        for name, value in requested.items():
+            if value is not None and not (name == "num_iterations" and value == 1) and value != derived[name]:
+                raise ConfigError(
+                    f"µ-GRPO derives {name} from the stage ({name}={derived[name]} for stage_prompts="
+                    f"{self.stage_prompts}, updates_per_stage={self.updates_per_stage}); {name}={value} was given. "
+                    "Leave it unset and size the stage with stage_prompts / updates_per_stage."
+                )
+        self.num_iterations = derived["num_iterations"]
+        self.steps_per_generation = derived["steps_per_generation"]
+        self.generation_batch_size = derived["generation_batch_size"]
+        self.mini_batches_per_pass = mini_batches
+
+        if self.num_stages is not None:
+            if self.num_stages < 1:
+                raise ConfigError(f"num_stages must be >= 1; got {self.num_stages}.")
+            total = self.num_stages * self.updates_per_stage
+            if self.max_steps > 0 and self.max_steps != total:
+                raise ConfigError(
+                    f"num_stages ({self.num_stages}) x updates_per_stage ({self.updates_per_stage}) = {total} "
+                    f"optimizer steps, but max_steps={self.max_steps}. Set only one of them."
+                )
+            self.max_steps = total
+
+        local = stage_completions // world if stage_completions % world == 0 else None
+        if self.generation_chunk_prompts is not None:
+            chunk = self.generation_chunk_prompts * G
+            if self.generation_chunk_prompts < 1 or local is None or local % chunk != 0:
+                local_prompts = (local or 0) // G
+                valid = _divisors(local_prompts) if local is not None and local % G == 0 else []
+                raise ConfigError(
+                    f"generation_chunk_prompts ({self.generation_chunk_prompts}) must divide the prompts each process "
+                    f"generates per stage (stage_prompts / world_size = {self.stage_prompts}/{world}"
+                    + ("" if local is None or local % G else f" = {local // G}")
+                    + "). "
+                    + (f"Valid values: {valid[-6:]}." if valid else "Leave it None (one generation call per stage).")
+                )
+            chunks = local // chunk
+            batch_level = self.scale_rewards == "batch" or self.multi_objective_aggregation == "normalize_then_sum"
+            if chunks > 1 and batch_level:
+                raise ConfigError(
+                    "generation_chunk_prompts splits the stage into several scoring calls, but scale_rewards='batch' "
+                    "/ multi_objective_aggregation='normalize_then_sum' normalise over the whole batch. Use "
+                    "scale_rewards='group' or leave generation_chunk_prompts=None."
+                )
+            if chunks > 1 and self.use_vllm and self.vllm_enable_sleep_mode:
+                warnings.warn(
+                    "generation_chunk_prompts with vLLM sleep mode re-pushes the weights for every chunk (TRL puts "
+                    "vLLM to sleep after each generate call); leave generation_chunk_prompts=None with vLLM.",
+                    stacklevel=3,
+                )
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """The ratio interval [1 - epsilon, 1 + epsilon_high] in force."""
+        return 1.0 - self.epsilon, 1.0 + self.epsilon_high
+
+
+@register_variant(
+    "mu_grpo",
+    description="µ-GRPO: few large off-policy stages (µ updates each), relaxed clip [0,5], negative-advantage veto",
+    paper="arXiv:2605.17570",
+)
+class MuGRPOTrainer(GRPOVariantTrainer):
+    """µ-GRPO; see the module docstring. Wraps TRL's rollout per chunk and keeps the stage bookkeeping."""
+
+    config_class = MuGRPOConfig
+
+    def __init__(self, *args, **kwargs):
+        self._stage_index = 0  # stages generated so far
+        self._stage_rollout_end: float | None = None
+        self.stage_log: list[dict] = []  # one record per stage (timings, tokens, throughput)
+        super().__init__(*args, **kwargs)
+        try:
+            size = len(self.train_dataset)
+        except TypeError:  # IterableDataset
+            size = None
+        if size is not None and size < self.args.stage_prompts:
+            raise DatasetError(
+                f"train_dataset has {size} prompts, fewer than stage_prompts ({self.args.stage_prompts}): a stage "
+                "samples stage_prompts distinct prompts. Lower stage_prompts or use a larger dataset."
+            )
+
+    # ---- the stage rollout ------------------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        if not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        start = time.perf_counter()
+        update_s = None if self._stage_rollout_end is None else start - self._stage_rollout_end
+        G = self.num_generations
+        chunk = len(inputs) if self.args.generation_chunk_prompts is None else self.args.generation_chunk_prompts * G
+        nested = getattr(self, "_rollout_nested", False)
+        parts = []
+        try:
+            for i, begin in enumerate(range(0, len(inputs), chunk)):
+                self._rollout_nested = nested or i > 0  # the base counts one rollout per stage
+                parts.append(super()._generate_and_score_completions(inputs[begin : begin + chunk]))
+        finally:
+            self._rollout_nested = nested
+        output = parts[0] if len(parts) == 1 else self._concat_rollouts(parts)
+        if self.args.updates_per_stage > 1 and output.get("old_per_token_logps") is None:
+            raise GRPOVariantsError(  # guards the TRL behaviour the stage relies on
+                "µ-GRPO: TRL did not return behaviour log-probs (old_per_token_logps) for a stage with µ > 1."
+            )
+        rows = output["advantages"].shape[0]
+        output["policy_version"] = torch.full(
+            (rows,), self.state.global_step, dtype=torch.long, device=output["advantages"].device
+        )
+        if self.args.release_generation_memory:
+            self._release_generation_memory()
+        generation_s = time.perf_counter() - start
+        self._stage_rollout_end = time.perf_counter()
+        self._stage_index += 1
+        sequences = rows * self.accelerator.num_processes
+        record = {
+            "stage": self._stage_index,
+            "global_step": self.state.global_step,
+            "generation_s": generation_s,
+            "update_s_previous": update_s,
+            "tokens": float(self._tokens_generated_round),
+            "sequences": sequences,
+            "sequences_per_s": sequences / max(generation_s, 1e-9),
+            "chunks": len(parts),
+        }
+        self.stage_log.append(record)
+        metrics = self._metrics["train"]
+        metrics["mu_grpo/stage"].append(float(self._stage_index))
+        metrics["mu_grpo/stage_generation_s"].append(generation_s)
+        if update_s is not None:
+            metrics["mu_grpo/stage_update_s"].append(update_s)
+        metrics["mu_grpo/stage_tokens"].append(record["tokens"])
+        metrics["mu_grpo/stage_sequences_per_s"].append(record["sequences_per_s"])
+        return output
+
+    def _concat_rollouts(self, parts: list[dict]) -> dict:
+        """Concatenate the dict outputs of several rollout calls: prompts left-padded, completions right-padded."""
+        out = {}
+        for key in parts[0]:
+            values = [p.get(key) for p in parts]
+            if all(v is None for v in values):
+                out[key] = None
+                continue
+            if key in _UNCHUNKABLE_KEYS:
+                raise GRPOVariantsError(
+                    f"µ-GRPO cannot concatenate {key!r} across generation chunks (multimodal inputs); leave "
+                    "generation_chunk_prompts=None."
+                )
+            first = values[0]
+            if isinstance(first, list):
+                out[key] = [x for v in values for x in v]
+            elif first.dim() == 0:
+                if key != "num_items_in_batch":
+                    raise GRPOVariantsError(f"µ-GRPO: unexpected scalar {key!r} in a rollout output.")
+                out[key] = torch.stack(values).sum()  # tokens in the loss over the whole stage, all processes
+            elif first.dim() == 1 or all(v.shape[1:] == first.shape[1:] for v in values):
+                out[key] = torch.cat(values, dim=0)
+            else:
+                width = max(v.shape[1] for v in values)
+                left = key.startswith("prompt")
+                if key in ("prompt_ids", "completion_ids"):
+                    fill = self._tokenizer.pad_token_id
+                else:
+                    fill = 1 if key == "tool_mask" else 0
+                padded = []
+                for v in values:
+                    extra = width - v.shape[1]
+                    pad = torch.full((v.shape[0], extra, *v.shape[2:]), fill, dtype=v.dtype, device=v.device)
+                    padded.append(torch.cat([pad, v] if left else [v, pad], dim=1))
+                out[key] = torch.cat(padded, dim=0)
+        return out
+
+    def _release_generation_memory(self) -> None:
+        """Free what generation held before the stage's updates: colocated vLLM asleep, gc, CUDA cache."""
+        engine = getattr(self, "vllm_generation", None) if self.use_vllm else None
+        if (
+            engine is not None
+            and getattr(engine, "mode", None) == "colocate"
+            and getattr(engine, "enable_sleep_mode", False)
+            and not getattr(engine, "_llm_weights_sleeping", True)
+        ):
+            engine.llm.sleep(level=2)  # level 2 drops weights and KV cache; TRL re-pushes weights before generating
+            engine._llm_weights_sleeping = True
+        if torch.cuda.is_available():  # on CPU reference counting already freed the generation tensors; a full
+            gc.collect()  # gc pass (~0.2 s in a transformers process) would buy nothing there
+            torch.cuda.empty_cache()
+
+    # ---- per-update metrics -----------------------------------------------------------------------
+    def _log_loss_metrics(self, mode, stats, entropies, mask, inputs) -> None:
+        super()._log_loss_metrics(mode, stats, entropies, mask, inputs)
+        if mode != "train" or "policy_version" not in inputs:
+            return
+        metrics = self._metrics[mode]
+        version = inputs["policy_version"].float().mean()
+        metrics["mu_grpo/staleness"].append(float(self.state.global_step) - version.item())
+        advantages = inputs["advantages"]
+        adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        negative = mask.float() * (adv < 0).float()
+        ratio = stats["ratio"].float().expand_as(negative)
+        totals = torch.stack([(ratio * negative).sum(), negative.sum()])
+        totals = self.accelerator.reduce(totals, reduction="sum")
+        if totals[1].item() > 0:
+            metrics["mu_grpo/neg_adv_ratio_mean"].append((totals[0] / totals[1]).item())
+
+    # ---- resumable state --------------------------------------------------------------------------
+    # The base checkpoint (grpo_variants.reliability) already carries TRL's micro-step counter ``_step``
+    # and the buffered stage ``_buffered_inputs`` (on CPU): a mid-stage resume continues the same stage
+    # with the same remaining mini-batch order. Only the stage bookkeeping is added here.
+    def variant_state_dict(self) -> dict:
+        state = super().variant_state_dict()
+        state["mu_grpo"] = {"stage_index": self._stage_index, "stage_log": [dict(r) for r in self.stage_log]}
+        return state
+
+    def load_variant_state_dict(self, state: dict) -> None:
+        super().load_variant_state_dict(state)
+        mu = state.get("mu_grpo")
+        if not mu:
+            return
+        self._stage_index = int(mu.get("stage_index", 0))
+        self.stage_log = [dict(r) for r in mu.get("stage_log", [])]
+        self._stage_rollout_end = None  # the interrupted stage's update time is not measurable
