@@ -1,4 +1,5 @@
-"""Trainer callbacks: metrics to JSONL, held-out evaluation on the toy task, and curve plots."""
+"""Trainer callbacks: metrics to JSONL, held-out evaluation on the toy task, curve plots, a generation
+budget (:class:`GenerationBudgetCallback`) and model FLOPs utilisation (:class:`MFUCallback`, CUDA only)."""
 
 from __future__ import annotations
 
@@ -55,33 +56,49 @@ class ToyEvalCallback(TrainerCallback):
     """Evaluate held-out greedy accuracy on a toy dataset every ``every`` optimizer steps.
 
     The value is added to the trainer's log as ``eval_toy_accuracy`` (so it reaches
-    ``metrics.jsonl`` and the lab's tables). Evaluation does not touch the training RNG streams.
+    ``metrics.jsonl`` and the lab's tables), with the seconds the evaluation took as
+    ``eval_toy_seconds`` (the lab subtracts them from wall time). With ``eval_at_end=True`` it
+    also evaluates at the step where training stops (max_steps, a budget), if that step is not a
+    multiple of ``every``; place it after callbacks that stop training. Evaluation does not touch
+    the training RNG streams.
     """
 
-    def __init__(self, eval_dataset, tokenizer, every: int = 10, batch_size: int = 256):
+    def __init__(self, eval_dataset, tokenizer, every: int = 10, batch_size: int = 256, eval_at_end: bool = False):
         self.eval_dataset = eval_dataset
         self.tokenizer = tokenizer
         self.every = every
         self.batch_size = batch_size
+        self.eval_at_end = eval_at_end
         self.history: list[tuple[int, float]] = []
+        self.seconds = 0.0
 
-    def _run(self, model, state):
+    def _evaluate(self, model) -> float:
         from grpo_variants.toy import evaluate
 
-        accuracy = evaluate(model, self.eval_dataset, self.tokenizer, batch_size=self.batch_size)
+        return evaluate(model, self.eval_dataset, self.tokenizer, batch_size=self.batch_size)
+
+    def _run(self, model, state):
+        start = time.perf_counter()
+        accuracy = self._evaluate(model)
+        self._last_seconds = time.perf_counter() - start
+        self.seconds += self._last_seconds
         self.history.append((state.global_step, accuracy))
         return accuracy
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self.every and state.global_step % self.every == 0:
+        due = bool(self.every) and state.global_step % self.every == 0
+        at_end = self.eval_at_end and control.should_training_stop
+        if (due or at_end) and not (self.history and self.history[-1][0] == state.global_step):
             control.should_log = True
             state._toy_accuracy = self._run(model, state)
+            state._toy_seconds = self._last_seconds
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         value = getattr(state, "_toy_accuracy", None)
         if logs is not None and value is not None:
             logs["eval_toy_accuracy"] = value
+            logs["eval_toy_seconds"] = round(getattr(state, "_toy_seconds", 0.0), 4)
             state._toy_accuracy = None
 
 
@@ -115,3 +132,251 @@ def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str =
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation budget: stop training once a number of generated tokens / completions is spent
+# ------------------------------------------------------------------------------------------------
+def rollout_due(trainer) -> bool:
+    """Whether the trainer's next micro-step starts a new rollout.
+
+    TRL generates when ``_step % (steps_per_generation * num_iterations) == 0`` (or nothing is
+    buffered); every built-in variant keeps that rule (µ-GRPO derives both numbers from its
+    stage size). A trainer with its own schedule can define ``rollout_due()``.
+    """
+    own = getattr(type(trainer), "rollout_due", None)
+    if callable(own):
+        return bool(own(trainer))
+    if getattr(trainer, "_buffered_inputs", None) is None:
+        return True
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    return trainer._step % generate_every == 0
+
+
+class GenerationBudgetCallback(TrainerCallback):
+    """Stop a ``GRPOVariantTrainer`` once a generation budget is spent.
+
+    The budget counts *everything the rollouts generated* (the base trainer's counters
+    ``_tokens_generated_total`` and ``_completions_generated_total``): groups that DAPO's
+    dynamic sampling discarded, iGRPO's drafts and truncated completions all count.
+
+    ``stop="rollout"`` (default) lets the trainer finish training on the data it has already
+    generated and stops before the next rollout would start, so a variant that reuses a rollout
+    for many updates (µ-GRPO's stages, ``num_iterations`` > 1) gets every update it paid for.
+    ``stop="step"`` stops at the first optimizer step after the budget is spent. Either way the
+    last rollout may overshoot the budget; the exact amount spent is logged as
+    ``budget/generated_tokens`` and ``budget/completions`` (cumulative) at every log.
+
+        trainer.add_callback(GenerationBudgetCallback(trainer, budget_tokens=200_000))
+    """
+
+    def __init__(self, trainer, budget_tokens: int | None = None, budget_completions: int | None = None,
+                 stop: str = "rollout"):
+        from grpo_variants.errors import ConfigError
+
+        if budget_tokens is None and budget_completions is None:
+            raise ConfigError("GenerationBudgetCallback needs budget_tokens or budget_completions (or both).")
+        for name, value in (("budget_tokens", budget_tokens), ("budget_completions", budget_completions)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name}={value} must be a positive number of generated {name.split('_')[1]}.")
+        if stop not in ("rollout", "step"):
+            raise ConfigError(f"stop={stop!r} is not valid; choose 'rollout' or 'step'.")
+        if not hasattr(trainer, "_tokens_generated_total"):
+            raise ConfigError(
+                f"GenerationBudgetCallback needs a GRPOVariantTrainer (it reads its generated-token counters); "
+                f"got {type(trainer).__name__}."
+            )
+        self.trainer = trainer
+        self.budget_tokens = budget_tokens
+        self.budget_completions = budget_completions
+        self.stop = stop
+        self.stopped_at_step: int | None = None
+
+    def spent(self) -> dict:
+        t = self.trainer
+        return {
+            "generated_tokens": int(t._tokens_generated_total + t._tokens_generated_round),
+            "completions": int(getattr(t, "_completions_generated_total", 0)),
+        }
+
+    def exhausted(self) -> bool:
+        spent = self.spent()
+        return (self.budget_tokens is not None and spent["generated_tokens"] >= self.budget_tokens) or (
+            self.budget_completions is not None and spent["completions"] >= self.budget_completions
+        )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.exhausted() and (self.stop == "step" or rollout_due(self.trainer)):
+            control.should_training_stop = True
+            if self.stopped_at_step is None:
+                self.stopped_at_step = state.global_step
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        spent = self.spent()
+        logs["budget/generated_tokens"] = spent["generated_tokens"]
+        logs["budget/completions"] = spent["completions"]
+        fractions = []
+        if self.budget_tokens:
+            fractions.append(spent["generated_tokens"] / self.budget_tokens)
+        if self.budget_completions:
+            fractions.append(spent["completions"] / self.budget_completions)
+        logs["budget/spent_fraction"] = max(fractions)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model FLOPs utilisation (GPU only)
+# ------------------------------------------------------------------------------------------------
+# Peak dense (no sparsity) bf16 tensor-core FLOP/s per device, from the vendors' datasheets. First
+# regex that matches ``torch.cuda.get_device_name()`` wins (so "H200" is tried before "H20").
+# Override with the environment variable GRPO_VARIANTS_PEAK_FLOPS (FLOP/s per device, e.g. 989e12)
+# or MFUCallback(peak_flops=...).
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    (r"GB200", 2.5e15),
+    (r"B200", 2.25e15),
+    (r"B100", 1.75e15),
+    (r"GH200", 989e12),
+    (r"H200", 989e12),
+    (r"H100.*PCIe", 756e12),
+    (r"H100.*NVL", 835e12),
+    (r"H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    (r"H800", 989e12),
+    (r"\bH20\b", 148e12),
+    (r"A100", 312e12),
+    (r"A800", 312e12),
+    (r"L40S", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+    (r"\bA10\b", 125e12),
+    (r"RTX A6000", 154.8e12),
+    (r"RTX 6000 Ada", 364e12),
+    (r"RTX 4090", 165e12),  # fp32 accumulate
+    (r"MI300X", 1307e12),
+    (r"MI250X", 383e12),
+]
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device named ``device_name`` (None when unknown)."""
+    import re
+
+    override = os.environ.get("GRPO_VARIANTS_PEAK_FLOPS")
+    if override:
+        return float(override)
+    for pattern, flops in PEAK_BF16_FLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return flops
+    return None
+
+
+def count_parameters(model) -> int:
+    """Every parameter of ``model`` (DeepSpeed ZeRO-3 partitions counted at full size)."""
+    return int(sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters()))
+
+
+def step_flops(n_params: int, trained_tokens: float, generated_tokens: float) -> float:
+    """Model FLOPs of one optimizer step: 6 N per trained token (forward + backward) + 2 N per generated token."""
+    return 6.0 * n_params * trained_tokens + 2.0 * n_params * generated_tokens
+
+
+class MFUCallback(TrainerCallback):
+    """Log model FLOPs utilisation as ``throughput/mfu`` (and ``throughput/model_tflops_per_s``), CUDA only.
+
+    Over each optimizer step (``on_step_begin`` -> ``on_step_end``, generation included)::
+
+        FLOPs = 6 * N * trained_tokens + 2 * N * generated_tokens        (per device)
+        MFU   = FLOPs / (step_seconds * peak_bf16_flops(device))
+
+    N counts every parameter. ``trained_tokens`` are the non-padding tokens (prompt + completion)
+    of every forward pass run with gradients (counted by a forward pre-hook on the policy);
+    ``generated_tokens`` is the base trainer's count of every token the rollouts generated, divided
+    by the number of processes (generation with vLLM in server mode runs on other GPUs and is not
+    counted). Forward passes without gradients (old / reference log-probs), prompt prefill during
+    generation and attention FLOPs are left out, so the value is a conservative estimate (the
+    usual 6N / 2N convention). The peak comes from :data:`PEAK_BF16_FLOPS` (dense bf16); on an
+    unknown device nothing is logged unless ``peak_flops`` or ``$GRPO_VARIANTS_PEAK_FLOPS`` is set.
+    Without CUDA the callback does nothing. The base trainer installs it on CUDA machines.
+    """
+
+    def __init__(self, trainer, peak_flops: float | None = None):
+        import torch
+
+        self.trainer = trainer
+        self.enabled = torch.cuda.is_available()
+        self.peak_flops = peak_flops
+        self.n_params = None
+        self._hook = None
+        self._trained_tokens = 0.0
+        self._start = None
+        self._generated_before = 0
+
+    def _setup(self):
+        import logging
+
+        import torch
+
+        if self.peak_flops is None:
+            name = torch.cuda.get_device_name(self.trainer.accelerator.device) if torch.cuda.is_available() else "cpu"
+            self.peak_flops = peak_bf16_flops(name)
+            if self.peak_flops is None:
+                logging.getLogger(__name__).warning(
+                    "MFU not logged: unknown peak FLOP/s for device %r. Set GRPO_VARIANTS_PEAK_FLOPS "
+                    "(dense bf16 FLOP/s per device) to enable it.", name)
+                self.enabled = False
+                return
+        self.n_params = count_parameters(self.trainer.model)
+        if self._hook is None:
+            self._hook = self.trainer.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+
+    def _count_tokens(self, module, args, kwargs):
+        import torch
+
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if mask is not None:
+            self._trained_tokens = self._trained_tokens + mask.sum()  # a tensor: no device sync per forward
+        elif ids is not None:
+            self._trained_tokens = self._trained_tokens + ids.numel()
+        return None
+
+    def _generated(self) -> int:
+        t = self.trainer
+        return int(getattr(t, "_tokens_generated_total", 0) + getattr(t, "_tokens_generated_round", 0))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.enabled:
+            self._setup()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.enabled:
+            return
+        self._start = time.perf_counter()
+        self._trained_tokens = 0.0
+        self._generated_before = self._generated()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.enabled or self._start is None:
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self._start
+        t = self.trainer
+        generated = (self._generated() - self._generated_before) / max(t.accelerator.num_processes, 1)
+        if getattr(t, "use_vllm", False) and getattr(t.args, "vllm_mode", "") == "server":
+            generated = 0.0
+        flops = step_flops(self.n_params, float(self._trained_tokens), generated)
+        if seconds > 0:
+            t._metrics["train"]["throughput/mfu"].append(flops / (seconds * self.peak_flops))
+            t._metrics["train"]["throughput/model_tflops_per_s"].append(flops / seconds / 1e12)
+        self._start = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

@@ -415,7 +415,8 @@ class NonFiniteGuard:
         optimizer._grpo_variants_guard = self
 
     def _grads_nonfinite(self, optimizer) -> torch.Tensor | None:
-        flags = []
+        """One fused pass: a gradient has a NaN/inf iff its norm is non-finite (``_foreach_norm``)."""
+        grads = []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
@@ -423,8 +424,11 @@ class NonFiniteGuard:
                     continue
                 if hasattr(g, "to_local"):  # DTensor (FSDP2): check the local shard, the all-reduce does the rest
                     g = g.to_local()
-                flags.append(~torch.isfinite(g).all())
-        return torch.stack(flags).any() if flags else None
+                grads.append(g)
+        if not grads:
+            return None
+        norms = torch._foreach_norm(grads)
+        return ~torch.isfinite(torch.stack(norms)).all()
 
     def check(self, optimizer) -> bool:
         """True if this step must be skipped (the caller then does not call the real ``step``)."""

@@ -1,0 +1,70 @@
+"""The tutorial notebooks: committed without outputs, and they execute top to bottom with their plots."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NAMES = ["01_quickstart.ipynb", "02_compare_variants.ipynb"]
+
+
+def test_notebooks_exist_and_have_no_outputs():
+    found = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
+    assert set(NAMES) <= set(found), found
+    for name in found:
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [], f"{name}: a code cell has outputs; strip them (python notebooks/_build.py)"
+                assert cell.execution_count is None, f"{name}: a code cell has an execution count; strip it"
+
+
+def test_notebooks_match_their_generator():
+    """The committed notebooks are what notebooks/_build.py writes (edit the generator, not the .ipynb)."""
+    sys.path.insert(0, str(NOTEBOOKS))
+    try:
+        import _build
+    finally:
+        sys.path.pop(0)
+    for name, cells in (("01_quickstart.ipynb", _build.QUICKSTART), ("02_compare_variants.ipynb", _build.COMPARE)):
+        committed = nbformat.read(NOTEBOOKS / name, as_version=4)
+        assert [c.source for c in committed.cells] == [c.source for c in cells], f"{name} differs from _build.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # a few minutes on a quiet CPU; much longer on a shared one
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_executes_and_renders_plots(name, tmp_path):
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    # The kernel is this interpreter (jupyter_client maps the kernelspec's "python" to sys.executable).
+    client = NotebookClient(nb, timeout=1800, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}})
+    env_before = os.environ.get("MPLBACKEND")
+    os.environ.pop("MPLBACKEND", None)  # let the kernel use the inline backend
+    start = time.perf_counter()
+    try:
+        client.execute()
+    finally:
+        if env_before is not None:
+            os.environ["MPLBACKEND"] = env_before
+    seconds = time.perf_counter() - start
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "error"]
+    assert not errors, errors
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.get("output_type") in ("display_data", "execute_result") and "image/png" in o.get("data", {})]
+    assert len(images) >= (1 if name.startswith("01") else 2), f"{name}: no rendered plots"
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    if name.startswith("01"):
+        assert "held-out greedy accuracy:" in text
+    else:
+        assert "[lab]" in text and "mu_grpo" in text
+    print(f"{name}: executed in {seconds:.0f} s")
