@@ -414,7 +414,7 @@ def warm_start(
     device = torch.device("cpu")
     rows_ds = make_dataset(config.task, "warmstart", difficulty=config.difficulty, seed=config.seed)
     rows = list(zip(rows_ds["prompt"], rows_ds["answer"], strict=True))
-    probe, rows = rows[: config.probe_size], rows[config.probe_size :]
+    rows = rows[config.probe_size :]  # the first probe_size problems only decide when to stop
     probe_ds = rows_ds.select(range(config.probe_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     started = time.perf_counter()

@@ -17,11 +17,9 @@ The trainer wraps TRL rather than copying it:
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
 
@@ -599,15 +597,3 @@ class GRPOVariantTrainer(GRPOTrainer):
             metrics["tokens/useful_total"].append(float(self._tokens_useful_total))
             metrics["tokens/generated_total"].append(float(self._tokens_generated_total))
             metrics["generation_rounds_total"].append(float(self._generation_rounds_total))
-
-
-def resolve_rewards_and_weights(rewards: Sequence[str | Callable] | None, weights: Sequence[float] | None):
-    """CLI helper: names or callables, plus weights (validated)."""
-    funcs = resolve_reward_funcs(rewards)
-    if weights is not None and len(weights) != len(funcs):
-        raise ConfigError(f"{len(weights)} reward weights for {len(funcs)} rewards: give one weight per reward.")
-    return funcs, list(weights) if weights is not None else None
-
-
-def is_finite_number(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
