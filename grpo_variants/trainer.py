@@ -560,6 +560,18 @@ class GRPOVariantTrainer(GRPOTrainer):
         totals = self.accelerator.reduce(totals, reduction="sum")
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
+    def _global_sequence_fraction(self, flags: torch.Tensor, mask: torch.Tensor) -> float:
+        """Fraction, over every process, of sequences with at least one trained token whose ``flags`` is set.
+
+        ``flags`` is per sequence ((B,) or (B, 1)) or per token ((B, T): a row counts if any trained token is set).
+        """
+        rows = (mask > 0).any(dim=-1)
+        if flags.dim() == 2 and flags.shape[1] != 1:
+            flags = (flags.expand(mask.shape) & (mask > 0)).any(dim=-1)
+        flagged = flags.reshape(-1).bool() & rows
+        counts = self.accelerator.reduce(torch.stack([flagged.sum(), rows.sum()]).float(), reduction="sum")
+        return (counts[0] / counts[1].clamp(min=1.0)).item()
+
     def _log_loss_metrics(self, mode, stats, entropies, mask, inputs) -> None:
         metrics = self._metrics[mode]
         mask = mask.float()

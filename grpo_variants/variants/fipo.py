@@ -32,7 +32,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-import torch
 
 from grpo_variants.errors import ConfigError
 from grpo_variants.registry import register_variant
@@ -122,7 +121,4 @@ class FIPOTrainer(DAPOTrainer):
         super()._log_loss_metrics(mode, stats, entropies, mask, inputs)
         if "fipo_dropped" not in stats:
             return
-        rows = (mask > 0).any(dim=-1)
-        dropped = stats["fipo_dropped"].reshape(-1) & rows
-        counts = self.accelerator.reduce(torch.stack([dropped.sum(), rows.sum()]).float(), reduction="sum")
-        self._metrics[mode]["fipo/dropped_fraction"].append((counts[0] / counts[1].clamp(min=1.0)).item())
+        self._metrics[mode]["fipo/dropped_fraction"].append(self._global_sequence_fraction(stats["fipo_dropped"], mask))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
@@ -112,17 +111,11 @@ class GSPOTrainer(GRPOVariantTrainer):
 
     def _log_loss_metrics(self, mode, stats, entropies, mask, inputs) -> None:
         super()._log_loss_metrics(mode, stats, entropies, mask, inputs)
-        m = mask > 0
-        rows = m.any(dim=-1)  # sequences with at least one trained token
-        low = (stats["is_low_clipped"].expand(m.shape) & m).any(dim=-1)
-        high = (stats["is_high_clipped"].expand(m.shape) & m).any(dim=-1)
-        counts = torch.stack([(low & rows).sum(), (high & rows).sum(), ((low | high) & rows).sum(), rows.sum()])
-        counts = self.accelerator.reduce(counts.float(), reduction="sum").tolist()
-        total = max(counts[3], 1.0)
+        low, high = stats["is_low_clipped"], stats["is_high_clipped"]
         metrics = self._metrics[mode]
-        metrics["clip_ratio/seq_low_mean"].append(counts[0] / total)
-        metrics["clip_ratio/seq_high_mean"].append(counts[1] / total)
-        metrics["clip_ratio/seq_region_mean"].append(counts[2] / total)
+        metrics["clip_ratio/seq_low_mean"].append(self._global_sequence_fraction(low, mask))
+        metrics["clip_ratio/seq_high_mean"].append(self._global_sequence_fraction(high, mask))
+        metrics["clip_ratio/seq_region_mean"].append(self._global_sequence_fraction(low | high, mask))
 
 
 @register_variant(
