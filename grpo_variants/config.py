@@ -107,6 +107,17 @@ class GRPOVariantConfig(GRPOConfig):
     reward_cache: bool = field(
         default=True, metadata={"help": "Score identical completions of a group once (deterministic rewards)."}
     )
+    # ---- rollout ---------------------------------------------------------------------------
+    behaviour_logprobs: str = field(
+        default="auto",
+        metadata={
+            "help": "Where the behaviour (old) log-probs come from when generation and updates are misaligned "
+            "(µ-GRPO stages, steps_per_generation > gradient_accumulation_steps, num_iterations > 1): 'rollout' "
+            "records them while HF generate samples (no extra forward pass over every sequence), 'recompute' runs "
+            "TRL's forward pass, 'auto' = rollout for float32 HF generation, recompute otherwise (bf16/fp16, vLLM, "
+            "tools, continuous batching, a custom rollout_func)."
+        },
+    )
     # ---- reliability -----------------------------------------------------------------------
     save_on_signal: bool = field(
         default=True, metadata={"help": "On SIGTERM/SIGINT, write a complete checkpoint before exiting."}
@@ -201,6 +212,12 @@ class GRPOVariantConfig(GRPOConfig):
         check("veto_scope", self.veto_scope, set(VETO_SCOPES))
         check("reward_isolation", self.reward_isolation, {"thread", "process", "none"})
         check("reward_on_error", self.reward_on_error, {"raise", "none"})
+        check("behaviour_logprobs", self.behaviour_logprobs, {"auto", "rollout", "recompute"})
+        if self.behaviour_logprobs == "rollout" and (self.use_vllm or self.use_transformers_continuous_batching):
+            raise ConfigError(
+                "behaviour_logprobs='rollout' records log-probs inside HF generate; with use_vllm / "
+                "use_transformers_continuous_batching TRL computes them itself. Use behaviour_logprobs='auto'."
+            )
         if self.advantage_estimator is not None:
             self.scale_rewards = ADVANTAGE_TO_SCALE_REWARDS[self.advantage_estimator]
         if self.epsilon_high < self.epsilon_low_value():

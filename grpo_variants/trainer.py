@@ -46,6 +46,53 @@ _FORWARD_KEYS = (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+class _RepeatedFetchCache(torch.utils.data.Dataset):
+    """A map-style dataset view that serves a repeated batch of indices from its last fetch."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self._indices: list | None = None
+        self._rows: list | None = None
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def __getitems__(self, indices):
+        if indices != self._indices:
+            fetch = getattr(self.dataset, "__getitems__", None)
+            self._rows = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+            self._indices = list(indices)
+        return list(self._rows)
+
+
+class _RowBatch:
+    """Collated training rows that accelerate's ``send_to_device`` and torch's ``pin_memory`` leave alone.
+
+    Not a list, tuple or Mapping and without ``.to``: both return it unchanged instead of walking every
+    row of a large generation batch at every micro-step. ``_prepare_inputs`` unwraps it.
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self, collator, rows):
+        self.rows = collator(rows)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+    def __contains__(self, item):
+        return item in self.rows
+
+
 # ------------------------------------------------------------------------------------------------
 # Input validation helpers (construction time, clear messages)
 # ------------------------------------------------------------------------------------------------
@@ -187,6 +234,8 @@ class GRPOVariantTrainer(GRPOTrainer):
         self._consecutive_nonfinite = 0
         self._rollouts_started = 0
         self._last_prepare_seconds = 0.0
+        self._rollout_logps = None  # behaviour log-probs recorded during the last HF generate call
+        self.rollout_logprob_failures: list[str] = []  # why a recording was not usable (then TRL recomputes)
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -201,6 +250,7 @@ class GRPOVariantTrainer(GRPOTrainer):
             **kwargs,
         )
         self.loss_spec = self._build_loss_spec()
+        self._record_rollout_logprobs = self._rollout_logprobs_supported()
         if torch.cuda.is_available():  # model FLOPs utilisation (throughput/mfu); never logged on CPU
             from grpo_variants.callbacks import MFUCallback
 
@@ -338,9 +388,61 @@ class GRPOVariantTrainer(GRPOTrainer):
         finally:
             self._phase_time[phase] += time.perf_counter() - start
 
+    # ---- behaviour log-probs recorded during generation (grpo_variants.rollout_logprobs) ---------
+    def _rollout_logprobs_supported(self) -> bool:
+        """Whether ``behaviour_logprobs`` asks for, and the rollout path allows, recording in generate."""
+        mode = self.args.behaviour_logprobs
+        if mode == "recompute":
+            return False
+        blockers = [
+            name
+            for name, present in (
+                ("use_vllm", self.use_vllm),
+                ("use_transformers_continuous_batching", self.args.use_transformers_continuous_batching),
+                ("tools", bool(getattr(self, "tools", None))),
+                ("rollout_func", getattr(self, "rollout_func", None) is not None),
+            )
+            if present
+        ]
+        if mode == "rollout" and blockers:
+            raise ConfigError(
+                f"behaviour_logprobs='rollout' records log-probs inside HF generate, which {blockers} bypasses; "
+                "use behaviour_logprobs='auto' or 'recompute'."
+            )
+        if blockers:
+            return False
+        if mode == "auto":
+            low_precision = self.args.bf16 or self.args.fp16
+            return not low_precision and self.accelerator.unwrap_model(self.model).dtype == torch.float32
+        return True
+
+    def _trl_needs_old_logps(self) -> bool:
+        """TRL's own rule: behaviour log-probs are needed when generation and optimizer steps are misaligned."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0
+
+    def _generation_module(self):
+        """The causal LM whose forward HF generate calls (inside PEFT and DeepSpeed wrappers)."""
+        model = self.accelerator.unwrap_model(self.model)
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
     def _generate(self, prompts):
-        with self._timed("generation"):
-            result = super()._generate(prompts)
+        from grpo_variants.rollout_logprobs import SampledLogprobRecorder
+
+        self._rollout_logps = None
+        record = self._record_rollout_logprobs and self.model.training and self._trl_needs_old_logps()
+        recorder = SampledLogprobRecorder(self.temperature) if record else None
+        handle = self._generation_module().register_forward_hook(recorder, with_kwargs=True) if record else None
+        try:
+            with self._timed("generation"):
+                result = super()._generate(prompts)
+        finally:
+            if handle is not None:
+                handle.remove()
+        if recorder is not None:
+            self._rollout_logps = recorder.finish(result[1])
+            if self._rollout_logps is None:
+                self.rollout_logprob_failures.append(recorder.failure)
         if not self.model.training:
             return result
         completion_ids = result[1]
@@ -370,11 +472,25 @@ class GRPOVariantTrainer(GRPOTrainer):
             for key, value in zip(keys, values.tolist(), strict=True):
                 self._metrics[mode][f"rewards/{name}/{key}"].append(value)
 
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if not self._in_rollout:
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
+        recorded, self._rollout_logps = self._rollout_logps, None  # used at most once: the behaviour pass
+        if (
+            recorded is not None
+            and model is self.model
+            and not kwargs.get("compute_entropy")
+            and recorded.size(0) == input_ids.size(0)
+            and logits_to_keep <= recorded.size(1)
+        ):
+            self._metrics["train"]["rollout_logprobs/recorded"].append(1.0)
+            return recorded[:, :logits_to_keep].to(input_ids.device), None, None
         with self._timed("logprobs"):
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
 
     def weighted_rewards(self) -> torch.Tensor:
         """Weighted sum of the last rollout's rewards over reward functions (global batch, NaN-aware)."""
@@ -394,6 +510,7 @@ class GRPOVariantTrainer(GRPOTrainer):
                 output = super()._generate_and_score_completions(inputs)
         finally:
             self._in_rollout = False
+            self._rollout_logps = None
         output["generated_mask"] = self.generated_mask(output)
         if self.args.kl_in_reward:
             output = self._apply_kl_in_reward(output)
@@ -432,7 +549,32 @@ class GRPOVariantTrainer(GRPOTrainer):
         fully_masked = mask.sum(dim=1) == 0  # only truncated rows (with mask_truncated_completions) are empty
         return torch.where(fully_masked.unsqueeze(1), torch.ones_like(mask), mask)
 
+    # ---- the training data loader: a stage's rows are fetched and moved once ---------------------
+    # TRL's RepeatSampler hands the whole generation batch (per-device batch x steps_per_generation
+    # rows) to every micro-step and TRL uses it only when it generates. For a µ-GRPO stage of 4,096 rows
+    # that re-fetch (datasets) and re-traversal (accelerate's send_to_device) cost ~25 ms per update on
+    # CPU. The train loader therefore fetches a repeated batch of indices once (_RepeatedFetchCache) and
+    # hands rows over in a container that accelerate and pin_memory pass through (_RowBatch); the rows
+    # are moved to the device only when TRL is about to generate from them.
+    def get_train_dataloader(self):
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            return super().get_train_dataloader()
+        dataset, collator = self.train_dataset, self.data_collator
+        self.train_dataset, self.data_collator = _RepeatedFetchCache(dataset), functools.partial(_RowBatch, collator)
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.train_dataset, self.data_collator = dataset, collator
+
     def _prepare_inputs(self, generation_batch):
+        if isinstance(generation_batch, _RowBatch):
+            rows = generation_batch.rows
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            if self._step % generate_every == 0 or self._buffered_inputs is None:  # TRL's condition to generate
+                from accelerate.utils import send_to_device
+
+                rows = send_to_device(rows, self.accelerator.device)
+            generation_batch = rows
         start = time.perf_counter()
         rounds_before = self._rollouts_started
         inputs = super()._prepare_inputs(generation_batch)
