@@ -30,10 +30,11 @@ A checkpoint taken mid-stage resumes mid-stage: the base checkpoint (``grpo_vari
 stores TRL's micro-step counter and the buffered stage, so the same buffer is used in the same
 remaining mini-batch order; :meth:`MuGRPOTrainer.variant_state_dict` adds the stage counters.
 
-Costs of the mapping: with HF generate the stage pays one forward pass over every sequence for the
-behaviour log-probs (on-policy GRPO skips it there; with vLLM both compute it), and TRL's data
-loader hands the whole stage's prompt rows to every micro-step (about 30 ms per update for a
-4,096-row stage on CPU; ``benchmarks/mu_grpo_speedup.py`` measures both).
+What the mapping does not cost: the behaviour log-probs are recorded while HF generate samples
+(``behaviour_logprobs``, :mod:`grpo_variants.rollout_logprobs`; no second forward pass over the
+stage in float32), and the training loader fetches and moves a stage's prompt rows once instead of at
+every update (``GRPOVariantTrainer.get_train_dataloader``). With vLLM, TRL computes the behaviour
+log-probs itself (one forward pass per sequence, as it does for on-policy GRPO with vLLM).
 
 Choices where the paper is silent (ALGORITHMS.md): veto threshold 1e-4; loss aggregation GRPO's
 seq-mean-token-mean; no KL term (beta = 0).
