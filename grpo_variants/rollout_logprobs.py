@@ -35,6 +35,7 @@ class SampledLogprobRecorder:
     def __init__(self, temperature: float):
         self.temperature = float(temperature)
         self.steps: list[torch.Tensor] = []  # log-prob of the token sampled at step k, (batch,)
+        self.fed: list[torch.Tensor] = []  # the token fed back at step k + 1, i.e. sampled at step k, (batch,)
         self._pending: torch.Tensor | None = None  # log-softmax of the latest step, awaiting its token
         self.rows: int | None = None
         self.failure: str | None = None  # why the record cannot be used (then TRL recomputes)
@@ -56,24 +57,46 @@ class SampledLogprobRecorder:
             if input_ids.size(0) != self.rows or input_ids.size(1) != 1:
                 self.failure = f"unexpected decoding input of shape {tuple(input_ids.shape)}"
                 return None
-            self.steps.append(self._pending.gather(1, input_ids[:, -1:].to(self._pending.device)).squeeze(1))
+            token = input_ids[:, -1:].to(self._pending.device)
+            self.steps.append(self._pending.gather(1, token).squeeze(1))
+            self.fed.append(token.squeeze(1))
         self._pending = torch.log_softmax(logits[:, -1, :].float() / self.temperature, dim=-1)
         return None
 
     def finish(self, completion_ids: list[list[int]]) -> torch.Tensor | None:
-        """``(rows, steps)`` log-probs of the sampled tokens, or None (see ``failure``)."""
+        """``(rows, steps)`` log-probs of the sampled tokens, or None (see ``failure``).
+
+        The completions must be the tokens generate sampled: every token that went back through the
+        model is compared with them (a wrapper that rewrites completions after generation makes the
+        record unusable, and TRL's forward pass is used instead).
+        """
         if self.failure is None and (self._pending is None or self.rows != len(completion_ids)):
             self.failure = f"{self.rows} recorded rows for {len(completion_ids)} completions"
+        if self.failure is None:
+            self.failure = self._check_tokens(completion_ids)
         if self.failure is not None:
             self._pending = None
             return None
         last = len(self.steps)  # index of the final sampled token, never fed back
         tokens = [ids[last] if len(ids) > last else 0 for ids in completion_ids]
-        if max(len(ids) for ids in completion_ids) > last + 1:
-            self.failure = f"completions longer ({max(map(len, completion_ids))}) than the {last + 1} generate steps"
-            self._pending = None
-            return None
         index = torch.tensor(tokens, device=self._pending.device).unsqueeze(1)
         self.steps.append(self._pending.gather(1, index).squeeze(1))
         self._pending = None
         return torch.stack(self.steps, dim=1)
+
+    def _check_tokens(self, completion_ids: list[list[int]]) -> str | None:
+        longest = max((len(ids) for ids in completion_ids), default=0)
+        if longest > len(self.steps) + 1:
+            return f"completions longer ({longest}) than the {len(self.steps) + 1} generate steps"
+        if not self.fed:
+            return None
+        fed = torch.stack(self.fed, dim=1).cpu()  # (rows, steps - 1)
+        width = min(fed.size(1), longest)
+        expected = torch.full((len(completion_ids), width), -1, dtype=fed.dtype)
+        for row, ids in enumerate(completion_ids):
+            head = ids[:width]
+            expected[row, : len(head)] = torch.tensor(head, dtype=fed.dtype)
+        known = expected >= 0
+        if not torch.equal(fed[:, :width][known], expected[known]):
+            return "the completions differ from the tokens generate sampled"
+        return None

@@ -235,6 +235,7 @@ class GRPOVariantTrainer(GRPOTrainer):
         self._rollouts_started = 0
         self._last_prepare_seconds = 0.0
         self._rollout_logps = None  # behaviour log-probs recorded during the last HF generate call
+        self._rollout_logps_expected = False  # a recorded generate awaits its behaviour pass
         self.rollout_logprob_failures: list[str] = []  # why a recording was not usable (then TRL recomputes)
         super().__init__(
             model=model,
@@ -431,6 +432,7 @@ class GRPOVariantTrainer(GRPOTrainer):
 
         self._rollout_logps = None
         record = self._record_rollout_logprobs and self.model.training and self._trl_needs_old_logps()
+        self._rollout_logps_expected = record  # the same on every process: the next behaviour pass decides
         recorder = SampledLogprobRecorder(self.temperature) if record else None
         handle = self._generation_module().register_forward_hook(recorder, with_kwargs=True) if record else None
         try:
@@ -477,16 +479,21 @@ class GRPOVariantTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
-        recorded, self._rollout_logps = self._rollout_logps, None  # used at most once: the behaviour pass
-        if (
-            recorded is not None
-            and model is self.model
-            and not kwargs.get("compute_entropy")
-            and recorded.size(0) == input_ids.size(0)
-            and logits_to_keep <= recorded.size(1)
-        ):
-            self._metrics["train"]["rollout_logprobs/recorded"].append(1.0)
-            return recorded[:, :logits_to_keep].to(input_ids.device), None, None
+        if self._rollout_logps_expected and model is self.model:  # the behaviour pass after a recorded generate
+            self._rollout_logps_expected = False
+            recorded, self._rollout_logps = self._rollout_logps, None
+            usable = (
+                recorded is not None
+                and not kwargs.get("compute_entropy")
+                and recorded.size(0) == input_ids.size(0)
+                and logits_to_keep <= recorded.size(1)
+            )
+            if self.accelerator.num_processes > 1:  # all or none: under ZeRO-3 a forward pass is collective
+                flag = torch.tensor([1.0 if usable else 0.0], device=self.accelerator.device)
+                usable = bool(self.accelerator.gather(flag).min().item())
+            if usable:
+                self._metrics["train"]["rollout_logprobs/recorded"].append(1.0)
+                return recorded[:, :logits_to_keep].to(input_ids.device), None, None
         with self._timed("logprobs"):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -511,6 +518,7 @@ class GRPOVariantTrainer(GRPOTrainer):
         finally:
             self._in_rollout = False
             self._rollout_logps = None
+            self._rollout_logps_expected = False
         output["generated_mask"] = self.generated_mask(output)
         if self.args.kl_in_reward:
             output = self._apply_kl_in_reward(output)

@@ -302,7 +302,9 @@ def cmd_resume(opts) -> None:
 
     def summary(trainer, **extra):
         return {"loss": _log_series(trainer, "loss"), "grad_norm": _log_series(trainer, "grad_norm"),
-                "global_step": trainer.state.global_step, **extra}
+                "global_step": trainer.state.global_step,
+                "recorded_logprob_steps": len(_log_series(trainer, "rollout_logprobs/recorded")),
+                "record_failures": list(trainer.rollout_logprob_failures), **extra}
 
     ckpt_args = dict(save_strategy="steps", save_steps=opts.save_steps, save_only_model=False)
     run_dir = os.path.join(opts.workdir, "killed")

@@ -52,6 +52,13 @@ def test_recorder_refuses_inconsistent_records(completions, reason):
     assert reason in recorder.failure
 
 
+def test_recorder_refuses_completions_that_are_not_the_sampled_tokens():
+    recorder = SampledLogprobRecorder(temperature=1.0)
+    _feed(recorder, [torch.zeros(2, 3)] * 3, [torch.tensor([2, 0]), torch.tensor([1, 2])])
+    assert recorder.finish([[2, 1, 0], [0, 1]]) is None  # row 1 sampled 0 then 2, the completion says 0, 1
+    assert "differ from the tokens generate sampled" in recorder.failure
+
+
 def test_recorder_refuses_a_second_prefill():
     recorder = SampledLogprobRecorder(temperature=1.0)
     _feed(recorder, [torch.zeros(2, 3), torch.zeros(2, 3)], [torch.tensor([1, 1])])
@@ -154,3 +161,25 @@ def test_mode_selection(toy_model_path, small_train_dataset, make_args, monkeypa
     trainer.args.behaviour_logprobs = "rollout"
     with pytest.raises(ConfigError, match=r"\['rollout_func'\] bypasses"):
         trainer._rollout_logprobs_supported()
+
+
+def test_rewritten_completions_fall_back_to_trl(toy_model_path, small_train_dataset, make_args, tmp_path):
+    """A wrapper that replaces the sampled completions (as tests/_zero3_worker.py does) must not get the
+    log-probs of tokens it threw away: the record is refused and TRL's pass runs."""
+    trainer = _mu_trainer(toy_model_path, small_train_dataset, make_args, tmp_path, "w")
+    original = trainer._generate_single_turn
+
+    def rewritten(prompt_ids, *args, **kwargs):
+        ids, logprobs = original(prompt_ids, *args, **kwargs)
+        return [[5, 6, 7, trainer.processing_class.eos_token_id][: len(x) or 1] for x in ids], logprobs
+
+    trainer._generate_single_turn = rewritten
+    trainer.model.train()
+    output = trainer._generate_and_score_completions([small_train_dataset[i] for i in range(8) for _ in range(4)])
+    assert trainer.rollout_logprob_failures and "differ" in trainer.rollout_logprob_failures[0]
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    with torch.no_grad():
+        expected, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, output["completion_ids"].size(1))
+    assert torch.equal(output["old_per_token_logps"], expected)

@@ -210,6 +210,9 @@ def test_zero3_save_kill_resume(resume_runs, toy_model_path):
     root, killed_run, resumed_run = resume_runs
     reference, killed, resumed = killed_run["reference"], killed_run["killed"], resumed_run["resumed"]
     assert reference["global_step"] == RESUME_STEPS and killed["global_step"] == KILL_AFTER
+    # real sampling with num_iterations=2: the behaviour log-probs were recorded in generate on both ranks
+    # (ZeRO-3 generate keeps ranks in lock-step with synced_gpus), never recomputed
+    assert reference["recorded_logprob_steps"] > 0 and reference["record_failures"] == [], reference
     checkpoint = root / "killed" / f"checkpoint-{KILL_AFTER}"
     # ZeRO-3's checkpoint: one model-state and one optimizer-state shard per rank
     shards = sorted(p.name for p in (checkpoint / f"global_step{KILL_AFTER}").iterdir())
