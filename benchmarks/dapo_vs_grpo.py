@@ -35,14 +35,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-os.environ.setdefault("GRPO_VARIANTS_CACHE", str(REPO / ".cache" / "grpo_variants"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("WANDB_DISABLED", "true")
+
+from _common import HeldOutEval, toy_run_config  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
 
 from grpo_variants import get_variant, toy  # noqa: E402
 from grpo_variants.callbacks import GenerationBudgetCallback  # noqa: E402
@@ -50,69 +46,10 @@ from grpo_variants.callbacks import GenerationBudgetCallback  # noqa: E402
 ARMS = ("grpo", "dapo")
 
 
-class TokenEvalCallback(TrainerCallback):
-    """Held-out greedy accuracy (``toy.evaluate``) every ``every_tokens`` generated tokens, at start and end.
-
-    Records (generated tokens, optimizer step, training seconds, accuracy); evaluation time is
-    excluded from the training seconds. ``toy.evaluate`` leaves the training RNG untouched.
-    """
-
-    def __init__(self, trainer, eval_dataset, every_tokens: int):
-        self.trainer, self.eval_dataset, self.every = trainer, eval_dataset, every_tokens
-        self.curve: list[dict] = []
-        self.eval_seconds = 0.0
-        self._next = every_tokens
-        self._start = None
-
-    def _tokens(self) -> int:
-        return int(self.trainer._tokens_generated_total)
-
-    def _evaluate(self, state) -> None:
-        start = time.perf_counter()
-        accuracy = toy.evaluate(self.trainer.model, self.eval_dataset, self.trainer.processing_class)
-        self.eval_seconds += time.perf_counter() - start
-        seconds = time.perf_counter() - self._start - self.eval_seconds
-        self.curve.append(dict(tokens=self._tokens(), step=state.global_step, seconds=round(seconds, 3),
-                               accuracy=accuracy))
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-        self._evaluate(state)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self._tokens() >= self._next:
-            self._evaluate(state)
-            while self._next <= self._tokens():
-                self._next += self.every
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.curve[-1]["step"] != state.global_step:
-            self._evaluate(state)
-
-
 def build(arm: str, kit, opts, seed: int, output_dir: str):
     spec = get_variant(arm)
-    values = dict(
-        output_dir=output_dir,
-        per_device_train_batch_size=opts.batch,
-        num_generations=opts.group,
-        max_completion_length=6,
-        learning_rate=opts.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        temperature=1.0,
-        max_steps=100_000,  # the generation budget stops training
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=seed,
-        data_seed=seed,
-        bf16=False,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    values = toy_run_config(output_dir, seed, opts.batch, opts.group, opts.lr,
+                            max_steps=100_000)  # the generation budget stops training
     if arm == "grpo":
         values["beta"] = opts.grpo_beta
         reward = "toy_accuracy"
@@ -130,7 +67,7 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"dapo-bench-{arm}-") as tmp:
         trainer = build(arm, kit, opts, seed, tmp)
         budget = GenerationBudgetCallback(trainer, budget_tokens=opts.budget)
-        evaluator = TokenEvalCallback(trainer, eval_dataset, opts.eval_every)
+        evaluator = HeldOutEval(trainer, eval_dataset, every_tokens=opts.eval_every)
         trainer.add_callback(budget)
         trainer.add_callback(evaluator)
         start = time.perf_counter()

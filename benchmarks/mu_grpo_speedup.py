@@ -40,14 +40,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-os.environ.setdefault("GRPO_VARIANTS_CACHE", str(REPO / ".cache" / "grpo_variants"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("WANDB_DISABLED", "true")
+
+from _common import HeldOutEval, toy_run_config  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
 
 from grpo_variants import GRPOVariantConfig, GRPOVariantTrainer, MuGRPOConfig, MuGRPOTrainer, toy  # noqa: E402
 
@@ -59,62 +55,9 @@ LABELS = {
 }
 
 
-class StepEvalCallback(TrainerCallback):
-    """Held-out greedy accuracy at the start, every ``every`` updates and at the end (eval time excluded)."""
-
-    def __init__(self, trainer, eval_dataset, every: int):
-        self.trainer, self.eval_dataset, self.every = trainer, eval_dataset, every
-        self.curve: list[dict] = []
-        self.eval_seconds = 0.0
-        self.eval_cpu_seconds = 0.0
-        self._start = None
-
-    def _evaluate(self, state) -> None:
-        start, cpu = time.perf_counter(), time.process_time()
-        accuracy = toy.evaluate(self.trainer.model, self.eval_dataset, self.trainer.processing_class)
-        self.eval_seconds += time.perf_counter() - start
-        self.eval_cpu_seconds += time.process_time() - cpu
-        seconds = time.perf_counter() - self._start - self.eval_seconds
-        self.curve.append(dict(step=state.global_step, seconds=round(seconds, 3), accuracy=accuracy))
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-        self._evaluate(state)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0:
-            self._evaluate(state)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.curve[-1]["step"] != state.global_step:
-            self._evaluate(state)
-
-
 def build(arm: str, kit, opts, seed: int, output_dir: str):
-    common = dict(
-        output_dir=output_dir,
-        per_device_train_batch_size=opts.batch,
-        num_generations=opts.group,
-        max_completion_length=6,
-        learning_rate=opts.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        temperature=1.0,
-        loss_type="grpo",
-        scale_rewards="group",
-        beta=0.0,
-        max_steps=opts.updates,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=seed,
-        data_seed=seed,
-        bf16=False,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    common = toy_run_config(output_dir, seed, opts.batch, opts.group, opts.lr, loss_type="grpo",
+                            scale_rewards="group", beta=0.0, max_steps=opts.updates)
     if arm == "on_policy_grpo":
         config = GRPOVariantConfig(epsilon=0.2, **common)
         trainer_cls = GRPOVariantTrainer
@@ -140,7 +83,7 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix=f"mu-bench-{arm}-") as tmp:
         trainer = build(arm, kit, opts, seed, tmp)
-        evaluator = StepEvalCallback(trainer, eval_dataset, opts.eval_every)
+        evaluator = HeldOutEval(trainer, eval_dataset, every_steps=opts.eval_every)
         trainer.add_callback(evaluator)
         # Time the outermost rollout call (generation + scoring + behaviour log-probs + memory release).
         rollout = {"seconds": 0.0, "sequences": 0, "calls": 0}

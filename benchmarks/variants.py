@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-os.environ.setdefault("GRPO_VARIANTS_CACHE", str(REPO / ".cache" / "grpo_variants"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import _common  # noqa: E402, F401  (the offline environment, before torch / transformers)
 
 RECORD_KEYS = [
     "final_accuracy", "final_accuracy_std", "initial_accuracy", "best_accuracy", "wall_seconds",

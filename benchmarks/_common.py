@@ -1,0 +1,92 @@
+"""What the toy-task benchmarks share: an offline environment, the toy run config, held-out evaluation.
+
+Import it before torch / transformers (it sets the environment they read at import time)::
+
+    from _common import HeldOutEval, toy_run_config   # run as `python benchmarks/<script>.py`
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+os.environ.setdefault("GRPO_VARIANTS_CACHE", str(REPO / ".cache" / "grpo_variants"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+from transformers import TrainerCallback  # noqa: E402
+
+from grpo_variants import toy  # noqa: E402
+from grpo_variants.lab import TOY_CONFIG  # noqa: E402
+
+
+def toy_run_config(output_dir: str, seed: int, batch: int, group: int, lr: float, **overrides) -> dict:
+    """Config values of one benchmark arm: the lab's toy recipe (lr constant, 6 new tokens, no bf16, no
+    gradient checkpointing, no checkpoints, log every step) with this arm's batch, seed and folder."""
+    return {
+        **TOY_CONFIG,
+        "output_dir": output_dir,
+        "per_device_train_batch_size": batch,
+        "num_generations": group,
+        "learning_rate": lr,
+        "weight_decay": 0.0,
+        "seed": seed,
+        "data_seed": seed,
+        "dataloader_num_workers": 0,
+        **overrides,
+    }
+
+
+class HeldOutEval(TrainerCallback):
+    """Held-out greedy accuracy (``toy.evaluate``) at the start, every ``every_steps`` optimizer steps or
+    every ``every_tokens`` generated tokens, and at the end.
+
+    ``curve`` records (generated tokens, step, training seconds, accuracy); the time spent evaluating
+    (wall and process CPU) is excluded from the training seconds and kept in ``eval_seconds`` /
+    ``eval_cpu_seconds``. ``toy.evaluate`` leaves the training RNG untouched.
+    """
+
+    def __init__(self, trainer, eval_dataset, every_steps: int | None = None, every_tokens: int | None = None):
+        if (every_steps is None) == (every_tokens is None):
+            raise ValueError("give exactly one of every_steps / every_tokens")
+        self.trainer, self.eval_dataset = trainer, eval_dataset
+        self.every_steps, self.every_tokens = every_steps, every_tokens
+        self.curve: list[dict] = []
+        self.eval_seconds = 0.0
+        self.eval_cpu_seconds = 0.0
+        self._next_tokens = every_tokens
+        self._start = None
+
+    def _tokens(self) -> int:
+        return int(self.trainer._tokens_generated_total)
+
+    def _evaluate(self, state) -> None:
+        start, cpu = time.perf_counter(), time.process_time()
+        accuracy = toy.evaluate(self.trainer.model, self.eval_dataset, self.trainer.processing_class)
+        self.eval_seconds += time.perf_counter() - start
+        self.eval_cpu_seconds += time.process_time() - cpu
+        seconds = time.perf_counter() - self._start - self.eval_seconds
+        self.curve.append(dict(tokens=self._tokens(), step=state.global_step, seconds=round(seconds, 3),
+                               accuracy=accuracy))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+        self._evaluate(state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.every_steps is not None:
+            if state.global_step % self.every_steps == 0:
+                self._evaluate(state)
+        elif self._tokens() >= self._next_tokens:
+            self._evaluate(state)
+            while self._next_tokens <= self._tokens():
+                self._next_tokens += self.every_tokens
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.curve[-1]["step"] != state.global_step:
+            self._evaluate(state)
