@@ -55,11 +55,13 @@ agree. A non-finite step is *skipped*: ``optimizer.step()`` is not called (AdamW
 step count stay untouched), the LR scheduler does not advance (as for an fp16 overflow), the
 gradients are zeroed. ``nonfinite/skipped_steps`` (cumulative) is logged. After
 ``max_consecutive_nonfinite`` non-finite steps in a row training stops with
-:class:`~grpo_variants.errors.NonFiniteLossError`. **DeepSpeed limitation:** the engine applies
-the update inside ``backward()``, before the trainer's optimizer step, so under DeepSpeed
-non-finite steps are detected, counted (``nonfinite/steps``) and stop training after
-``max_consecutive_nonfinite`` in a row, but they are *not* skipped (DeepSpeed's own fp16 loss
-scaler skips overflowing steps; bf16 / fp32 updates are applied).
+:class:`~grpo_variants.errors.NonFiniteLossError`. **Under DeepSpeed** the engine steps inside
+``backward()``, before the trainer's optimizer step, so the decision is DeepSpeed's: ZeRO-3 (0.19)
+discards every step whose gradient norm is not finite, ZeRO-1/2 only with fp16 or
+``check_grad_overflow``. The guard reads that decision (``step_was_skipped``): a discarded step is
+counted in ``nonfinite/skipped_steps`` like ours, an applied one only in ``nonfinite/steps``, and the
+streak limit stops training in both cases (``tests/test_zero3.py`` injects a NaN loss under ZeRO-3 and
+checks that the weights and the step count do not move).
 """
 
 from __future__ import annotations
@@ -376,17 +378,19 @@ class NonFiniteGuard:
         self.trainer = trainer
         self.max_consecutive = int(trainer.args.max_consecutive_nonfinite)
         self.consecutive = 0
+        self.consecutive_applied = 0  # of the current streak, updates DeepSpeed's engine applied anyway
         self.skipped_total = 0
         self.nonfinite_total = 0
         self._pending = None  # bool tensor: a micro-step loss of the current step was non-finite
 
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"consecutive": self.consecutive, "skipped_total": self.skipped_total,
-                "nonfinite_total": self.nonfinite_total}
+        return {"consecutive": self.consecutive, "consecutive_applied": self.consecutive_applied,
+                "skipped_total": self.skipped_total, "nonfinite_total": self.nonfinite_total}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive = int(state.get("consecutive", 0))
+        self.consecutive_applied = int(state.get("consecutive_applied", 0))
         self.skipped_total = int(state.get("skipped_total", 0))
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
 
@@ -450,6 +454,7 @@ class NonFiniteGuard:
         metrics = trainer._metrics["train"]
         if not nonfinite:
             self.consecutive = 0
+            self.consecutive_applied = 0
             if hasattr(optimizer, "_is_overflow") and getattr(optimizer, "scaler", None) is None:
                 optimizer._is_overflow = False  # our previous skip set it; accelerate resets it only with a scaler
             metrics["nonfinite/skipped_steps"] = [float(self.skipped_total)]
@@ -464,17 +469,25 @@ class NonFiniteGuard:
                 optimizer._is_overflow = True  # the trainer then skips the LR scheduler step too
             logger.warning("Non-finite loss or gradients at optimizer step %d: update skipped (%d in a row).",
                            step, self.consecutive)
+        elif getattr(optimizer, "step_was_skipped", False):
+            # The engine stepped inside backward(); ZeRO-3 (and fp16 / check_grad_overflow) discards a step whose
+            # gradient norm is not finite, and the trainer then skips the LR scheduler step as well.
+            self.skipped_total += 1
+            logger.warning("Non-finite loss or gradients at optimizer step %d: DeepSpeed discarded the update "
+                           "(%d in a row).", step, self.consecutive)
         else:
-            logger.warning("Non-finite loss at optimizer step %d under DeepSpeed: the engine already applied the "
-                           "update (%d in a row).", step, self.consecutive)
+            self.consecutive_applied += 1
+            logger.warning("Non-finite loss at optimizer step %d under DeepSpeed: the engine applied the update "
+                           "(%d in a row).", step, self.consecutive)
         metrics["nonfinite/skipped_steps"] = [float(self.skipped_total)]
         metrics["nonfinite/steps"] = [float(self.nonfinite_total)]
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteLossError(
                 f"the loss or the gradients were non-finite (NaN/inf) for {self.consecutive} consecutive optimizer "
                 f"steps (up to step {step}; max_consecutive_nonfinite={self.max_consecutive}). "
-                + ("Those updates were skipped, so the weights are those before the first of them. " if not deepspeed
-                   else "")
+                + ("Those updates were skipped, so the weights are those before the first of them. "
+                   if self.consecutive_applied == 0
+                   else f"DeepSpeed's engine applied {self.consecutive_applied} of those updates. ")
                 + "Lower learning_rate, set max_grad_norm, check the reward functions for inf values and the data "
                 "for empty completions, or raise max_consecutive_nonfinite to tolerate longer streaks."
             )

@@ -345,10 +345,68 @@ def _write(path, payload) -> None:
         os.replace(tmp, path)
 
 
+def cmd_nonfinite(opts) -> None:
+    """A NaN loss at optimizer step 2 of 3 under ZeRO-3: DeepSpeed's engine must discard that update.
+
+    Records each rank's parameter shard after every step, the engine's skipped-step count, AdamW's step
+    count and what the non-finite guard logged.
+    """
+    from transformers import TrainerCallback
+
+    from grpo_variants import GRPOVariantTrainer
+
+    dataset = toy.make_dataset(split="train", n=256)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = variant_args(BASE, os.path.join(opts.workdir, "nonfinite"), world, max_steps=3,
+                        max_consecutive_nonfinite=3)
+    trainer = GRPOVariantTrainer(model=opts.model, reward_funcs="toy_accuracy", args=args, train_dataset=dataset)
+    make_deterministic(trainer)
+    original = trainer._compute_loss
+
+    def poisoned(model, inputs):
+        loss = original(model, inputs)
+        return loss * float("nan") if trainer.state.global_step == 1 else loss
+
+    trainer._compute_loss = poisoned
+    shards = []
+
+    def snapshot():
+        params = _unwrapped(trainer).parameters()
+        return torch.cat([(p.ds_tensor if hasattr(p, "ds_tensor") else p).detach().float().reshape(-1).clone()
+                          for p in params])
+
+    class Snapshots(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            shards.append(snapshot())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            shards.append(snapshot())
+
+    trainer.add_callback(Snapshots())
+    trainer.train()
+    engine = _deepspeed_engine(trainer)
+    adam_steps = sorted({int(v["step"]) for v in engine.optimizer.optimizer.state.values() if "step" in v})
+    per_rank = [None] * world
+    torch.distributed.all_gather_object(per_rank, {
+        "step1_changed": not torch.equal(shards[0], shards[1]),
+        "nan_step_changed": not torch.equal(shards[1], shards[2]),
+        "step3_changed": not torch.equal(shards[2], shards[3]),
+        "finite_after": bool(torch.isfinite(shards[3]).all()),
+    })
+    _write(opts.out, {
+        "per_rank": per_rank,
+        "global_step": trainer.state.global_step,
+        "engine_skipped_steps": int(engine.skipped_steps),
+        "adam_steps": adam_steps,
+        "skipped_logged": _log_series(trainer, "nonfinite/skipped_steps"),
+        "nonfinite_logged": _log_series(trainer, "nonfinite/steps"),
+    })
+
+
 def main(argv=None) -> None:
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["compare", "resume"])
+    parser.add_argument("command", choices=["compare", "resume", "nonfinite"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", required=True)
@@ -359,7 +417,7 @@ def main(argv=None) -> None:
     parser.add_argument("--phase", choices=["kill", "resume"], default="kill")
     parser.add_argument("--real-generation", action="store_true")
     opts = parser.parse_args(argv)
-    {"compare": cmd_compare, "resume": cmd_resume}[opts.command](opts)
+    {"compare": cmd_compare, "resume": cmd_resume, "nonfinite": cmd_nonfinite}[opts.command](opts)
 
 
 if __name__ == "__main__":

@@ -231,3 +231,27 @@ def test_zero3_save_kill_resume(resume_runs, toy_model_path):
                                     resumed["params_file"])
     assert norm > 0 and diff <= 1e-6 * norm, f"resumed parameters differ: {diff:.3g} (update norm {norm:.3g})"
     assert resumed["shards"]["zero3"] and resumed["shards"]["released_above_threshold"] > 0
+
+
+@pytest.fixture(scope="module")
+def nonfinite_run(toy_model_path, tmp_path_factory):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'grpo-variants[deepspeed]')")
+    root = tmp_path_factory.mktemp("zero3_nonfinite")
+    proc = _start(_zero3_cmd("nonfinite", "--model", toy_model_path, "--workdir", str(root),
+                             "--out", str(root / "nonfinite.json")), root / "nonfinite.log")
+    _wait(proc, root / "nonfinite.log", "the non-finite launch")
+    return json.loads((root / "nonfinite.json").read_text())
+
+
+def test_zero3_discards_a_nonfinite_update(nonfinite_run):
+    """A NaN loss at step 2 of 3: DeepSpeed's ZeRO-3 engine discards the update on both ranks (weights and
+    AdamW's step count unchanged), the guard counts it as skipped, and training goes on."""
+    run = nonfinite_run
+    assert run["global_step"] == 3
+    for rank in run["per_rank"]:
+        assert rank["step1_changed"] and rank["step3_changed"], rank  # finite steps do move the shard
+        assert not rank["nan_step_changed"], rank  # the NaN step does not
+        assert rank["finite_after"], rank
+    assert run["engine_skipped_steps"] == 1
+    assert run["adam_steps"] == [2], run  # 3 optimizer steps, one discarded
+    assert run["skipped_logged"][-1] == 1.0 and run["nonfinite_logged"][-1] == 1.0, run
