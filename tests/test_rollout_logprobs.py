@@ -183,3 +183,33 @@ def test_rewritten_completions_fall_back_to_trl(toy_model_path, small_train_data
         expected, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
             trainer, trainer.model, ids, attention, output["completion_ids"].size(1))
     assert torch.equal(output["old_per_token_logps"], expected)
+
+
+def test_recorded_under_lora(toy_model_path, small_train_dataset, make_args, tmp_path, monkeypatch):
+    """With a PEFT adapter, generate runs the base causal LM inside PeftModel: the hook sits there, and the
+    record equals TRL's recomputed pass through the adapted model."""
+    from grpo_variants.scale import lora_config
+
+    args = make_args(MuGRPOConfig, output_dir=str(tmp_path / "lora"), max_steps=4, temperature=0.7, **STAGE)
+    trainer = MuGRPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=args,
+                            train_dataset=small_train_dataset, peft_config=lora_config(r=4))
+    with torch.no_grad():  # a non-zero adapter, so that the record must see it
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    calls = []
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies",
+                        lambda self, model, *a, **k: calls.append(1) or original(self, model, *a, **k))
+    trainer.model.train()
+    output = trainer._generate_and_score_completions([small_train_dataset[i] for i in range(8) for _ in range(4)])
+    assert calls == [] and trainer.rollout_logprob_failures == []
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    with torch.no_grad():
+        recomputed, _, _ = original(trainer, trainer.model, ids, attention, output["completion_ids"].size(1))
+        with trainer.model.disable_adapter():
+            base, _, _ = original(trainer, trainer.model, ids, attention, output["completion_ids"].size(1))
+    mask = output["completion_mask"].bool()
+    assert (output["old_per_token_logps"] - recomputed).abs()[mask].max().item() < 1e-5
+    assert (base - recomputed).abs()[mask].max().item() > 1e-3  # the adapter matters: the check above could fail
