@@ -67,6 +67,35 @@ def test_recorder_refuses_a_second_prefill():
 
 
 # ---- inside a trainer -------------------------------------------------------------------------------
+TRL_LOGPS = GRPOTrainer._get_per_token_logps_and_entropies  # TRL's forward pass, unpatched
+
+
+def _count_trl_passes(monkeypatch) -> list:
+    """Record every call of TRL's log-prob forward pass (the model it ran) from now on."""
+    calls = []
+
+    def counting(self, model, *args, **kwargs):
+        calls.append(model)
+        return TRL_LOGPS(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counting)
+    return calls
+
+
+def _stage_rollout(trainer, dataset) -> dict:
+    """One training-mode rollout of 8 prompts x 4 (one µ-GRPO stage of STAGE)."""
+    trainer.model.train()
+    return trainer._generate_and_score_completions([dataset[i] for i in range(8) for _ in range(4)])
+
+
+@torch.no_grad()
+def _recompute(trainer, output) -> torch.Tensor:
+    """TRL's forward pass over a rollout's sequences: the log-probs the record must match."""
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    return TRL_LOGPS(trainer, trainer.model, ids, attention, output["completion_ids"].size(1))[0]
+
+
 def _mu_trainer(toy_model_path, dataset, make_args, tmp_path, name, **overrides):
     args = make_args(MuGRPOConfig, output_dir=str(tmp_path / name), max_steps=4, temperature=0.7,
                      **{**STAGE, **overrides})
@@ -78,27 +107,14 @@ def test_recorded_equals_recomputed_and_skips_the_forward_pass(
 ):
     trainer = _mu_trainer(toy_model_path, small_train_dataset, make_args, tmp_path, "r", behaviour_logprobs="rollout")
     assert trainer._record_rollout_logprobs
-    calls = []
-    original = GRPOTrainer._get_per_token_logps_and_entropies
-
-    def counting(self, model, *args, **kwargs):
-        calls.append(model)
-        return original(self, model, *args, **kwargs)
-
-    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counting)
-    trainer.model.train()
-    batch = [small_train_dataset[i] for i in range(8) for _ in range(4)]
-    output = trainer._generate_and_score_completions(batch)
+    calls = _count_trl_passes(monkeypatch)
+    output = _stage_rollout(trainer, small_train_dataset)
     assert calls == []  # no behaviour forward pass: the log-probs came from generate
     recorded = output["old_per_token_logps"]
-    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-    attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-    with torch.no_grad():
-        recomputed, _, _ = original(trainer, trainer.model, ids, attention, output["completion_ids"].size(1))
+    recomputed = _recompute(trainer, output)
     mask = output["completion_mask"].bool()
     assert recorded.shape == recomputed.shape and mask.sum() > 20
     difference = (recorded - recomputed).abs()[mask]
-    print("max |recorded - recomputed| =", difference.max().item())
     assert difference.max().item() < 1e-5, difference.max().item()
     assert not torch.equal(recorded[mask], torch.zeros_like(recorded[mask]))  # real values, not a placeholder
 
@@ -132,13 +148,9 @@ def test_on_policy_steps_record_nothing(toy_model_path, small_train_dataset, mak
 def test_failed_record_falls_back_to_trl(toy_model_path, small_train_dataset, make_args, tmp_path, monkeypatch):
     trainer = _mu_trainer(toy_model_path, small_train_dataset, make_args, tmp_path, "f")
     monkeypatch.setattr(SampledLogprobRecorder, "finish", lambda self, ids: setattr(self, "failure", "forced") or None)
-    calls = []
-    original = GRPOTrainer._get_per_token_logps_and_entropies
-    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies",
-                        lambda self, model, *a, **k: calls.append(1) or original(self, model, *a, **k))
-    trainer.model.train()
-    output = trainer._generate_and_score_completions([small_train_dataset[i] for i in range(8) for _ in range(4)])
-    assert calls == [1] and output["old_per_token_logps"] is not None
+    calls = _count_trl_passes(monkeypatch)
+    output = _stage_rollout(trainer, small_train_dataset)
+    assert calls == [trainer.model] and output["old_per_token_logps"] is not None
     assert trainer.rollout_logprob_failures == ["forced"]
 
 
@@ -174,14 +186,9 @@ def test_rewritten_completions_fall_back_to_trl(toy_model_path, small_train_data
         return [[5, 6, 7, trainer.processing_class.eos_token_id][: len(x) or 1] for x in ids], logprobs
 
     trainer._generate_single_turn = rewritten
-    trainer.model.train()
-    output = trainer._generate_and_score_completions([small_train_dataset[i] for i in range(8) for _ in range(4)])
+    output = _stage_rollout(trainer, small_train_dataset)
     assert trainer.rollout_logprob_failures and "differ" in trainer.rollout_logprob_failures[0]
-    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-    attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-    with torch.no_grad():
-        expected, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, ids, attention, output["completion_ids"].size(1))
+    expected = _recompute(trainer, output)
     assert torch.equal(output["old_per_token_logps"], expected)
 
 
@@ -197,19 +204,12 @@ def test_recorded_under_lora(toy_model_path, small_train_dataset, make_args, tmp
         for name, param in trainer.model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.05)
-    calls = []
-    original = GRPOTrainer._get_per_token_logps_and_entropies
-    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies",
-                        lambda self, model, *a, **k: calls.append(1) or original(self, model, *a, **k))
-    trainer.model.train()
-    output = trainer._generate_and_score_completions([small_train_dataset[i] for i in range(8) for _ in range(4)])
+    calls = _count_trl_passes(monkeypatch)
+    output = _stage_rollout(trainer, small_train_dataset)
     assert calls == [] and trainer.rollout_logprob_failures == []
-    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-    attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-    with torch.no_grad():
-        recomputed, _, _ = original(trainer, trainer.model, ids, attention, output["completion_ids"].size(1))
-        with trainer.model.disable_adapter():
-            base, _, _ = original(trainer, trainer.model, ids, attention, output["completion_ids"].size(1))
+    recomputed = _recompute(trainer, output)
+    with trainer.model.disable_adapter():
+        base = _recompute(trainer, output)
     mask = output["completion_mask"].bool()
     assert (output["old_per_token_logps"] - recomputed).abs()[mask].max().item() < 1e-5
     assert (base - recomputed).abs()[mask].max().item() > 1e-3  # the adapter matters: the check above could fail
