@@ -213,3 +213,36 @@ def test_recorded_under_lora(toy_model_path, small_train_dataset, make_args, tmp
     mask = output["completion_mask"].bool()
     assert (output["old_per_token_logps"] - recomputed).abs()[mask].max().item() < 1e-5
     assert (base - recomputed).abs()[mask].max().item() > 1e-3  # the adapter matters: the check above could fail
+
+
+# ---- the training loader fetches a generation batch once -------------------------------------------
+class _CountingRows(torch.utils.data.Dataset):
+    """A map-style dataset that counts the rows it is asked for."""
+
+    def __init__(self, dataset):
+        self.dataset, self.fetched = dataset, 0
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        self.fetched += 1
+        return self.dataset[index]
+
+
+def test_train_loader_fetches_each_generation_batch_once(toy_model_path, small_train_dataset, make_args, tmp_path):
+    trainer = _mu_trainer(toy_model_path, small_train_dataset, make_args, tmp_path, "loader")  # 32-row stages
+    rows = trainer.train_dataset = _CountingRows(small_train_dataset)  # TRL checks the type only when built
+    assert trainer.args.steps_per_generation * trainer.num_iterations == 4
+    batches = []
+    for batch in trainer.get_train_dataloader():
+        batches.append(batch)
+        if len(batches) == 8:  # two stages, four micro-steps each
+            break
+    # TRL's sampler asks for each stage's 32 rows at all 4 micro-steps; they are fetched once. accelerate
+    # reads one batch ahead, so the third stage's rows were fetched too: 3 x 32, not 9 x 32 = 288.
+    assert rows.fetched == 3 * 32
+    assert all(len(b) == 32 for b in batches)
+    assert [b[0] for b in batches[:4]] == [batches[0][0]] * 4 and batches[4][0] is not batches[0][0]
+    trainer.model.train()
+    assert isinstance(trainer._prepare_inputs(batches[0]), dict)  # the wrapped rows reach TRL as a list
