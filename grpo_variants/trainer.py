@@ -12,6 +12,9 @@ The trainer wraps TRL rather than copying it:
   re-weight what it returns (DAPO drops groups, iGRPO rewrites prompts, µ-GRPO buffers stages).
 * Reward functions are resolved by name and wrapped with a per-call timeout and clear errors.
 * Every step logs clip/veto/FIPO fractions, the useful-token fraction and per-phase timings.
+* Off-policy steps cost no extra forward pass: the behaviour log-probs TRL would recompute are
+  recorded while HF generate samples (``behaviour_logprobs``, :mod:`grpo_variants.rollout_logprobs`),
+  and the training loader fetches a generation batch once instead of at every micro-step.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from contextlib import contextmanager
 from dataclasses import fields
 
 import torch
+from accelerate.utils import send_to_device
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError, DatasetError, ModelPathError, UnknownRewardError
 from grpo_variants.losses import LossSpec, compute_policy_loss
+from grpo_variants.rollout_logprobs import SampledLogprobRecorder
 
 # Inputs TRL forwards to the model for multimodal batches; passed through untouched.
 _FORWARD_KEYS = (
@@ -428,8 +433,6 @@ class GRPOVariantTrainer(GRPOTrainer):
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def _generate(self, prompts):
-        from grpo_variants.rollout_logprobs import SampledLogprobRecorder
-
         self._rollout_logps = None
         record = self._record_rollout_logprobs and self.model.training and self._trl_needs_old_logps()
         self._rollout_logps_expected = record  # the same on every process: the next behaviour pass decides
@@ -579,8 +582,6 @@ class GRPOVariantTrainer(GRPOTrainer):
             rows = generation_batch.rows
             generate_every = self.args.steps_per_generation * self.num_iterations
             if self._step % generate_every == 0 or self._buffered_inputs is None:  # TRL's condition to generate
-                from accelerate.utils import send_to_device
-
                 rows = send_to_device(rows, self.accelerator.device)
             generation_batch = rows
         start = time.perf_counter()
