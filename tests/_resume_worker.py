@@ -194,4 +194,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import exit_without_teardown
+
+    exit_without_teardown(code or 0)

@@ -421,4 +421,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import exit_without_teardown
+
+    exit_without_teardown()

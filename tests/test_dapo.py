@@ -373,3 +373,6 @@ def _ddp_worker(out_dir: str, model_path: str) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--ddp-worker":
     _ddp_worker(sys.argv[2], sys.argv[3])
+    from conftest import exit_without_teardown
+
+    exit_without_teardown()

@@ -327,14 +327,18 @@ args = IGRPOConfig(
 trainer = FixedDraftsTrainer(model=model_path, reward_funcs=value_reward, args=args,
                              train_dataset=toy.make_dataset(split="train", n=16))
 result = trainer.train()
-json.dump({
+with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+  json.dump({
     "rank": rank,
     "world": trainer.accelerator.num_processes,
     "calls": calls,
     "selection": {k: v for k, v in trainer._last_draft_selection.items() if k != "rewards_per_func"},
     "loss": result.training_loss,
     "metrics": [r for r in trainer.state.log_history if "igrpo/best_draft_reward_mean" in r],
-}, open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
+  }, handle)
+sys.path.insert(0, os.environ["GRPO_TEST_DIR"])
+from conftest import exit_without_teardown
+exit_without_teardown()
 '''
 
 
@@ -348,7 +352,7 @@ def _free_port() -> int:
 def test_two_processes_group_straddles_ranks(toy_model_path, tmp_path):
     worker = tmp_path / "igrpo_worker.py"
     worker.write_text(textwrap.dedent(_WORKER))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GRPO_TEST_DIR": str(REPO / "tests")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(_free_port()), str(worker), str(tmp_path), toy_model_path]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
