@@ -54,6 +54,8 @@ os.environ.setdefault("GRPO_VARIANTS_CACHE", str(REPO / ".cache" / "grpo_variant
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from grpo_variants.lab import TOY_CONFIG  # noqa: E402  (after the environment above)
+
 # Variant -> config values TRL 1.16 understands, given identically to both trainers.
 TRL_SETTINGS: dict[str, dict] = {
     "grpo": dict(loss_type="grpo", scale_rewards="group", beta=0.04),
@@ -64,22 +66,8 @@ TRL_SETTINGS: dict[str, dict] = {
                  steps_per_generation=2),
 }
 
-BASE = dict(
-    per_device_train_batch_size=64,
-    num_generations=8,
-    max_completion_length=6,
-    temperature=1.0,
-    learning_rate=1e-4,
-    lr_scheduler_type="constant",
-    logging_steps=1,
-    save_strategy="no",
-    report_to="none",
-    seed=0,
-    bf16=False,
-    gradient_checkpointing=False,
-    disable_tqdm=True,
-    dataloader_pin_memory=False,
-)
+# The lab's toy recipe (grpo_variants.lab.TOY_CONFIG) with a 64-completion step and a fixed seed.
+BASE = {**TOY_CONFIG, "per_device_train_batch_size": 64, "seed": 0}
 
 
 def config_values(variant: str, output_dir: str, **overrides) -> dict:

@@ -38,22 +38,10 @@ def tiny_args(config_cls=None, output_dir="out", **overrides):
     from grpo_variants import GRPOVariantConfig
 
     config_cls = config_cls or GRPOVariantConfig
-    values = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=16,
-        num_generations=4,
-        max_completion_length=6,
-        max_steps=3,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        bf16=False,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-    )
+    from grpo_variants.lab import TOY_CONFIG
+
+    values = {**TOY_CONFIG, "output_dir": str(output_dir), "per_device_train_batch_size": 16, "num_generations": 4,
+              "max_steps": 3, "seed": 0}
     values.update(overrides)
     return config_cls(**values)
 
