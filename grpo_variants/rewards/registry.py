@@ -6,6 +6,11 @@ A reward is any callable with TRL's signature::
 
 Register it with ``@reward("my_reward", "one-line description")``; look it up with
 :func:`get_reward`. Registered names are what ``grpo-variants train --reward NAME`` accepts.
+
+This module is only the table and imports no reward. The built-ins register themselves when the
+package is imported: ``grpo_variants.rewards`` imports :mod:`~grpo_variants.rewards.builtin`, and
+``grpo_variants`` imports :mod:`grpo_variants.toy` (the toy task's rewards); Python runs both packages'
+``__init__`` before this module, so the table is complete whenever :func:`get_reward` can be called.
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ def reward(name: str, description: str | None = None):
 
 def get_reward(name: str) -> RewardFn:
     """Return the reward registered as ``name``; raise :class:`UnknownRewardError` naming the known ones."""
-    _load_builtins()
     if name not in _REWARDS:
         known = ", ".join(sorted(_REWARDS)) or "(none)"
         raise UnknownRewardError(
@@ -56,11 +60,4 @@ def get_reward(name: str) -> RewardFn:
 
 def list_rewards() -> list[RewardSpec]:
     """All registered rewards, sorted by name."""
-    _load_builtins()
     return [_REWARDS[k] for k in sorted(_REWARDS)]
-
-
-def _load_builtins() -> None:
-    # Importing these modules registers the built-in rewards.
-    import grpo_variants.rewards.builtin  # noqa: F401
-    import grpo_variants.toy  # noqa: F401
