@@ -84,3 +84,87 @@ def test_warm_start_is_in_band_and_cached(toy_kit):
     assert 0.10 <= heldout <= 0.60, heldout  # non-trivial and unsaturated: GRPO has a signal
     again = toy.prepare(verbose=False)
     assert again.model_path == toy_kit.model_path  # reused from cache, not retrained
+
+
+# ---- the warm start's band search, on scripted accuracy curves (no model) ----------------------------
+class _ScriptedRun:
+    """A stand-in for the warm-start model: ``progress`` grows by lr / base lr per step; accuracy is a
+    function of it. Snapshots hold the progress, so a replay repeats exactly what it replays."""
+
+    def __init__(self, curve, base_lr):
+        self.curve, self.base_lr, self.progress, self.probes = curve, base_lr, 0.0, 0
+
+    def train_step(self, lr):
+        self.progress += lr / self.base_lr
+        return 1.0
+
+    def probe(self):
+        self.probes += 1
+        return self.curve(self.progress)
+
+    def get_state(self):
+        return self.progress
+
+    def set_state(self, value):
+        self.progress = value
+
+
+def _search(curve, **overrides):
+    config = toy.WarmStartConfig(init_seed=0, **overrides)
+    run = _ScriptedRun(curve, config.lr)
+    result = toy._train_to_band(config, train_step=run.train_step, probe=run.probe, get_state=run.get_state,
+                                set_state=run.set_state)
+    return result, run, config
+
+
+def test_band_search_stops_at_the_first_check_in_band():
+    result, run, _ = _search(lambda p: min(0.9, p / 1000))  # 20% at step 200
+    assert (result.status, result.step, result.steps_taken, result.replays) == ("in_band", 200, 200, 0)
+    assert result.accuracy == 0.2 and run.progress == 200
+
+
+def test_band_search_replays_an_overshoot_checking_every_step():
+    # 10% at step 300, then +5 points a step: the check at 320 sees 90%, far past the band
+    result, run, _ = _search(lambda p: 0.1 if p <= 300 else min(0.9, 0.1 + 0.05 * (p - 300)))
+    assert result.status == "in_band" and result.replays == 1
+    assert result.step == 302 and result.accuracy == pytest.approx(0.2)  # the first step inside the band
+    assert result.steps_taken == 320 + 2 and run.progress == 302  # the replay started from step 300's state
+
+
+def test_band_search_halves_the_lr_when_one_step_jumps_over_the_band():
+    # a jump from 10% to 60% inside one step at full lr (at progress 310.6), a ramp through the band below it
+    curve = lambda p: 0.1 if p < 310.4 else (0.3 if p < 310.6 else 0.6)  # noqa: E731
+    result, run, _ = _search(curve)
+    assert result.status == "in_band" and result.accuracy == 0.3
+    assert result.replays >= 2 and result.history[-1]["lr"] < toy.WarmStartConfig().lr
+
+
+def test_band_search_gives_up_at_the_cap_and_returns_the_closest_model():
+    result, run, config = _search(lambda p: 0.05 + p / 100_000, max_steps=400)  # never reaches 20%
+    assert result.status == "below" and result.steps_taken == 400 and result.step == 400
+    assert result.accuracy == pytest.approx(0.054)
+    # a curve that only jumps: it cannot land in the band, the closest model is handed back
+    result, run, config = _search(lambda p: 0.15 if p < 310.5 else 0.9, max_replays=2)
+    assert result.status == "below" and result.replays == 2 and result.accuracy == 0.15
+    assert run.progress < 310.5 and result.steps_taken <= config.max_steps
+
+
+def test_out_of_band_warning_names_the_accuracy_and_what_to_do():
+    config = __import__("dataclasses").asdict(toy.WarmStartConfig(init_seed=3))
+    meta = {"in_band": False, "probe_accuracy": 0.123, "steps_taken": 1600, "config": config}
+    message = toy.out_of_band_message(meta)
+    assert "12.3% of 200 problems after 1600 optimizer steps" in message and "below" in message
+    assert "GRPO_VARIANTS_TOY_SEED=3" in message and "GRPO_VARIANTS_TOY_SEED=1" in message and "max_steps" in message
+    assert toy.out_of_band_message({**meta, "in_band": True}) is None
+
+
+def test_toy_seed_variable(monkeypatch):
+    monkeypatch.delenv(toy.TOY_SEED_ENV, raising=False)
+    assert toy.toy_seed() == 0 and toy.WarmStartConfig().init_seed == 0
+    monkeypatch.setenv(toy.TOY_SEED_ENV, "7")
+    assert toy.toy_seed() == 7 and toy.WarmStartConfig().init_seed == 7
+    assert toy.WarmStartConfig().key() != toy.WarmStartConfig(init_seed=0).key()  # its own cache entry
+    assert toy.WarmStartConfig().seed == 0  # the problem split does not move: no eval problem leaks in
+    monkeypatch.setenv(toy.TOY_SEED_ENV, "one")
+    with pytest.raises(toy.ConfigError, match="GRPO_VARIANTS_TOY_SEED='one' is not an integer"):
+        toy.toy_seed()
