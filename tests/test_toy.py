@@ -170,3 +170,41 @@ def test_toy_seed_variable(monkeypatch):
     monkeypatch.setenv(toy.TOY_SEED_ENV, "one")
     with pytest.raises(toy.ConfigError, match="GRPO_VARIANTS_TOY_SEED='one' is not an integer"):
         toy.toy_seed()
+
+
+def test_warm_start_replays_an_overshoot_on_the_real_model(tmp_path, monkeypatch):
+    """The real loop's snapshots: after an overshoot it replays from the last check below the band, and the
+    replayed steps reproduce the first pass bit for bit (same weights, optimizer state and batches)."""
+    scripted = iter([0.1, 0.9, 0.1, 0.3])  # checks at steps 2 (below), 4 (past the band), then 3 and 4 again
+    seen = []
+
+    def fake_evaluate(model, dataset, tokenizer, **kwargs):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return next(scripted)
+
+    monkeypatch.setattr(toy, "evaluate", fake_evaluate)
+    tiny = toy.ToyModelConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                              intermediate_size=32)
+    config = toy.WarmStartConfig(model=tiny, min_steps=2, check_every=2, max_steps=20, batch_size=8, init_seed=0)
+    path = toy.warm_start(tmp_path / "warm", config, verbose=False)
+    meta = json.loads((path / "warmstart.json").read_text())
+    assert (meta["status"], meta["steps"], meta["replays"], meta["steps_taken"]) == ("in_band", 4, 1, 6)
+    assert [h["step"] for h in meta["history"]] == [2, 4, 3, 4] and meta["probe_accuracy"] == 0.3
+    first_step4, replayed_step4 = seen[1], seen[3]
+    assert all(torch.equal(first_step4[k], replayed_step4[k]) for k in first_step4)  # an exact replay
+    assert not all(torch.equal(seen[0][k], first_step4[k]) for k in first_step4)  # and the steps did train
+
+
+def test_warm_start_out_of_band_warns_fresh_and_cached(tmp_path, monkeypatch):
+    scripted = iter([0.05, 0.06])
+    monkeypatch.setattr(toy, "evaluate", lambda *args, **kwargs: next(scripted))
+    tiny = toy.ToyModelConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                              intermediate_size=32)
+    config = toy.WarmStartConfig(model=tiny, min_steps=2, check_every=2, max_steps=4, batch_size=8, init_seed=0)
+    expected = r"ended below its accuracy band: probe greedy accuracy 6\.0% of 200 problems after 4 optimizer steps"
+    with pytest.warns(UserWarning, match=expected):
+        path = toy.warm_start(tmp_path / "warm", config, verbose=False)
+    meta = json.loads((path / "warmstart.json").read_text())
+    assert (meta["in_band"], meta["status"], meta["steps"]) == (False, "below", 4)
+    with pytest.warns(UserWarning, match=expected):  # said again whenever the cached policy is used
+        toy.warm_start(tmp_path / "warm", config, verbose=False)
