@@ -6,7 +6,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench clean
+# test-portable: the fast tests under another numeric setting, torch on 1 thread and another toy warm-start
+# seed (GRPO_VARIANTS_TOY_SEED, its own cached policy). A test that holds only for one float trajectory fails.
+PORTABLE_SEED ?= 1
+
+.PHONY: setup demo test test-fast test-portable bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +36,9 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+test-portable: setup
+	OMP_NUM_THREADS=1 GRPO_VARIANTS_TOY_SEED=$(PORTABLE_SEED) $(PY) -m pytest -q -m "not slow"
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -15,9 +15,21 @@ reward ``toy_accuracy`` gives +1 when the leading digits of the completion equal
 answer, else 0 (or -1 with ``make_toy_accuracy(wrong=-1.0)``).
 
 The warm start is a short supervised run (plain PyTorch, loss on the answer tokens only) that
-stops as soon as held-out greedy accuracy enters a target band (default 20-45%), so that GRPO
-starts with a real but unsaturated signal: at 0% or 100% every group has zero reward variance
-and nothing can be learned or compared.
+stops as soon as greedy accuracy on 200 held-back probe problems enters a target band (default
+20-45%), so that GRPO starts with a real but unsaturated signal: at 0% or 100% every group has zero
+reward variance and nothing can be learned or compared. Accuracy moves fast around the band (a
+few points per step), and how fast differs between CPUs and thread counts, so when a check finds it
+already past the band the run replays from the last check below it, checking every step (then at
+half the learning rate). It stops at the first check inside the band, or after ``max_steps``
+optimizer steps in all (1,600 by default, replays included), and then warns with the accuracy it
+reached and what to do.
+
+``GRPO_VARIANTS_TOY_SEED`` (an integer, default 0) seeds the warm start: the model's initialisation
+and the order of its supervised batches. Another value gives another warm-started policy (cached
+under its own key) on the same problem splits, which is how to check that a result does not hang
+on one float trajectory::
+
+    GRPO_VARIANTS_TOY_SEED=1 OMP_NUM_THREADS=1 python -m pytest -m "not slow"   # make test-portable
 """
 
 from __future__ import annotations
@@ -30,11 +42,14 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
+from copy import deepcopy
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from grpo_variants.errors import ConfigError
 from grpo_variants.rewards.registry import reward
 
 __all__ = [
@@ -49,6 +64,8 @@ __all__ = [
     "prepare",
     "evaluate",
     "cache_dir",
+    "toy_seed",
+    "TOY_SEED_ENV",
     "SPECIAL_TOKENS",
 ]
 
@@ -73,6 +90,23 @@ def cache_dir() -> Path:
     """Where the toy kit caches its artefacts: ``$GRPO_VARIANTS_CACHE`` or ``~/.cache/grpo_variants``."""
     root = os.environ.get("GRPO_VARIANTS_CACHE") or os.path.join(Path.home(), ".cache", "grpo_variants")
     return Path(root)
+
+
+TOY_SEED_ENV = "GRPO_VARIANTS_TOY_SEED"
+
+
+def toy_seed() -> int:
+    """The toy warm-start seed: ``$GRPO_VARIANTS_TOY_SEED`` as an integer, 0 when unset or empty."""
+    raw = os.environ.get(TOY_SEED_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{TOY_SEED_ENV}={raw!r} is not an integer. Set it to the warm-start seed to use (e.g. 1), or unset it "
+            "for the default 0."
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,17 +386,19 @@ class WarmStartConfig:
 
     task: str = "addition"
     difficulty: int = 2
-    target_low: float = 0.20  # stop as soon as held-out greedy accuracy is inside [target_low, target_high]
+    target_low: float = 0.20  # stop at the first check whose probe greedy accuracy is inside [target_low, target_high]
     target_high: float = 0.45
     min_steps: int = 160
-    max_steps: int = 800
-    check_every: int = 20
+    max_steps: int = 1600  # the cap: optimizer steps in all, replays after an overshoot included
+    check_every: int = 20  # probe checks every so many steps (every step while replaying past an overshoot)
+    max_replays: int = 4  # overshoots handled by replaying from the last check below the band
     batch_size: int = 64
     lr: float = 1e-3
-    seed: int = 0
+    seed: int = 0  # the problem split: the same as the RL datasets', so the warm start never sees an eval problem
+    init_seed: int = field(default_factory=toy_seed)  # model init and batch order: $GRPO_VARIANTS_TOY_SEED
     probe_size: int = 200  # warm-start problems held back to decide when to stop (not the RL eval split)
     model: ToyModelConfig = field(default_factory=ToyModelConfig)
-    version: int = 2  # bump to invalidate caches when the recipe changes (2: Qwen2-compatible tokenizer)
+    version: int = 3  # bump to invalidate caches when the recipe changes (3: replay past an overshoot, init_seed)
 
     def key(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True)
@@ -388,6 +424,95 @@ def _sft_batch(tokenizer, rows, device):
     return ids.to(device), att.to(device), lab.to(device)
 
 
+def _band_distance(accuracy: float, config: WarmStartConfig) -> float:
+    return max(config.target_low - accuracy, accuracy - config.target_high, 0.0)
+
+
+@dataclass
+class _BandSearch:
+    """What the warm-start loop ended with (see :func:`_train_to_band`)."""
+
+    status: str  # "in_band", "below" (the cap came first) or "above" (past the band even checking every step)
+    step: int  # the returned model's position in the batch stream
+    accuracy: float  # its probe accuracy
+    steps_taken: int  # optimizer steps in all, replays included (at most config.max_steps)
+    replays: int
+    history: list
+
+
+def _train_to_band(config: WarmStartConfig, *, train_step, probe, get_state, set_state, log=None) -> _BandSearch:
+    """Train until the probe accuracy is inside the band, or until ``config.max_steps`` optimizer steps.
+
+    ``train_step(lr) -> loss`` takes one optimizer step, ``probe() -> accuracy`` measures, ``get_state()``
+    returns an independent snapshot of everything that decides the continuation (weights, optimizer, batch
+    stream) and ``set_state(snapshot)`` restores one. When a check finds the accuracy above the band, the run
+    goes back to the last check below it and replays the same batches checking every step; an overshoot
+    between two consecutive steps halves the learning rate of the next replay. If the band is never hit
+    the model closest to it is restored and returned.
+    """
+    log = log or (lambda message: None)
+    lr, every = config.lr, config.check_every
+    step = taken = replays = 0
+    below = None  # (step, snapshot) of the last check under the band
+    best = None  # (distance, step, accuracy, snapshot) closest to the band so far
+    history: list[dict] = []
+    while taken < config.max_steps:
+        step += 1
+        taken += 1
+        loss = train_step(lr)
+        if step < config.min_steps or step % every:
+            continue
+        accuracy = probe()
+        history.append({"step": step, "steps_taken": taken, "loss": round(float(loss), 4),
+                        "probe_accuracy": accuracy, "lr": lr})
+        log(f"step {step}: loss {float(loss):.3f}, probe greedy accuracy {accuracy:.1%} of {config.probe_size}")
+        distance = _band_distance(accuracy, config)
+        if distance == 0.0:
+            return _BandSearch("in_band", step, accuracy, taken, replays, history)
+        snapshot = get_state()
+        if best is None or distance <= best[0]:  # on ties the later (more trained) model
+            best = (distance, step, accuracy, snapshot)
+        if accuracy < config.target_low:
+            below = (step, snapshot)
+            continue
+        if below is None or replays >= config.max_replays:
+            break
+        replays += 1
+        if every == 1:  # it jumped over the whole band in one step: smaller steps
+            lr /= 2
+        every = 1
+        step, snapshot = below
+        set_state(snapshot)
+        log(f"{accuracy:.1%} is past the band: replaying from step {step}, checking every step at lr {lr:g}")
+    if best is None:  # max_steps < min_steps: no check ran
+        accuracy = probe()
+        return _BandSearch("in_band" if _band_distance(accuracy, config) == 0.0 else
+                           ("below" if accuracy < config.target_low else "above"), step, accuracy, taken, replays,
+                           history)
+    _, step, accuracy, snapshot = best
+    set_state(snapshot)
+    status = "below" if accuracy < config.target_low else "above"
+    return _BandSearch(status, step, accuracy, taken, replays, history)
+
+
+def out_of_band_message(meta: dict) -> str | None:
+    """The warning for a warm start that ended outside its accuracy band (None when it is inside)."""
+    if meta.get("in_band", True):
+        return None
+    config = meta.get("config", {})
+    low, high = config.get("target_low", 0.2), config.get("target_high", 0.45)
+    where = "below" if meta["probe_accuracy"] < low else "above"
+    effect = ("GRPO starts with a weak signal (most groups all wrong)" if where == "below" else
+              "GRPO starts near saturation (most groups all right)")
+    return (
+        f"The toy warm start ended {where} its accuracy band: probe greedy accuracy {meta['probe_accuracy']:.1%} of "
+        f"{config.get('probe_size', 200)} problems after {meta.get('steps_taken', meta.get('steps'))} optimizer steps "
+        f"(band {low:.0%}-{high:.0%}, cap {config.get('max_steps')} steps, {TOY_SEED_ENV}="
+        f"{config.get('init_seed', 0)}). {effect}, so its results will differ from the documented ones. Try another "
+        f"seed ({TOY_SEED_ENV}=1), or warm_start(config=WarmStartConfig(max_steps=...)) for a higher cap."
+    )
+
+
 def warm_start(
     output_dir: str | os.PathLike | None = None,
     config: WarmStartConfig | None = None,
@@ -399,17 +524,23 @@ def warm_start(
 
     The folder holds the model (``save_pretrained``), the tokenizer and ``warmstart.json`` with
     the steps taken and the accuracy reached. It is written to a temporary folder and renamed
-    into place, so a killed warm start never leaves a half-written cache entry.
+    into place, so a killed warm start never leaves a half-written cache entry. A warm start that
+    ended outside its band warns (``UserWarning``) here, on every call, cached or not.
     """
     config = config or WarmStartConfig()
     out = Path(output_dir) if output_dir is not None else cache_dir() / "toy" / f"warm-{config.key()}"
     if (out / "warmstart.json").exists() and not force:
+        _warn_if_out_of_band(json.loads((out / "warmstart.json").read_text()))
         return out
 
-    torch.manual_seed(config.seed)
-    rng = random.Random(config.seed)
+    def log(message: str) -> None:
+        if verbose:
+            print(f"[toy warm start] {message}")
+
+    torch.manual_seed(config.init_seed)
+    rng = random.Random(config.init_seed)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, config.model, seed=config.seed)
+    model = build_model(tokenizer, config.model, seed=config.init_seed)
     model.train()
     device = torch.device("cpu")
     rows_ds = make_dataset(config.task, "warmstart", difficulty=config.difficulty, seed=config.seed)
@@ -418,36 +549,52 @@ def warm_start(
     probe_ds = rows_ds.select(range(config.probe_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     started = time.perf_counter()
-    history = []
-    accuracy = 0.0
-    step = 0
-    for step in range(1, config.max_steps + 1):
+
+    def train_step(lr: float) -> float:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         batch = rng.sample(rows, config.batch_size)
         ids, att, lab = _sft_batch(tokenizer, batch, device)
         loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if step >= config.min_steps and step % config.check_every == 0:
-            accuracy = evaluate(model, probe_ds, tokenizer)
-            history.append({"step": step, "loss": round(loss.item(), 4), "probe_accuracy": accuracy})
-            if verbose:
-                print(f"[toy warm start] step {step}: loss {loss.item():.3f}, probe greedy accuracy {accuracy:.1%}")
-            if config.target_low <= accuracy <= config.target_high or accuracy > config.target_high:
-                break
+        return loss.item()
+
+    def get_state():
+        return deepcopy((model.state_dict(), optimizer.state_dict(), rng.getstate()))
+
+    def set_state(state) -> None:
+        weights, optimizer_state, rng_state = deepcopy(state)
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(optimizer_state)
+        rng.setstate(rng_state)
+
+    log(f"training the toy policy until its greedy accuracy on {config.probe_size} held-back problems is in "
+        f"{config.target_low:.0%}-{config.target_high:.0%} (at most {config.max_steps} steps, {TOY_SEED_ENV}="
+        f"{config.init_seed})")
+    result = _train_to_band(config, train_step=train_step, probe=lambda: evaluate(model, probe_ds, tokenizer),
+                            get_state=get_state, set_state=set_state, log=log)
     model.eval()
+    meta = {
+        "steps": result.step,
+        "steps_taken": result.steps_taken,
+        "replays": result.replays,
+        "probe_accuracy": result.accuracy,
+        "probe_size": config.probe_size,
+        "in_band": result.status == "in_band",
+        "status": result.status,
+        "seconds": round(time.perf_counter() - started, 1),
+        "history": result.history,
+        "config": asdict(config),
+    }
+    log(f"{'done' if meta['in_band'] else 'stopped'} after {result.steps_taken} steps ({meta['seconds']} s): probe "
+        f"greedy accuracy {result.accuracy:.1%} of {config.probe_size} held-back problems")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        meta = {
-            "steps": step,
-            "probe_accuracy": accuracy,
-            "seconds": round(time.perf_counter() - started, 1),
-            "history": history,
-            "config": asdict(config),
-        }
         (tmp / "warmstart.json").write_text(json.dumps(meta, indent=2))
         if out.exists():
             shutil.rmtree(out)
@@ -455,7 +602,14 @@ def warm_start(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _warn_if_out_of_band(meta)
     return out
+
+
+def _warn_if_out_of_band(meta: dict) -> None:
+    message = out_of_band_message(meta)
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 @dataclass

@@ -55,6 +55,44 @@ def make_args(tmp_path):
     return factory
 
 
+def position_reward(prompts, completions, **kwargs):
+    """Reward ``i / n`` for the ``i``-th of the ``n`` completions of a call, whatever they say.
+
+    TRL scores a group's completions side by side, so every group gets distinct rewards: non-zero reward
+    variance, non-zero advantages and a policy gradient are true by construction, on any machine and for any
+    toy warm-start seed (a test that needs the policy to move must not hope that some group of a ~30%-accurate
+    policy happened to disagree). Train with ``reward_cache=False``: the cache would score identical
+    completions once, and a group of identical completions would then have one reward again.
+    """
+    n = len(completions)
+    return [i / n for i in range(n)]
+
+
+def force_completions(trainer, completion_for) -> None:
+    """Replace the sampled completions of every rollout by ``completion_for(prompt_text, k)`` (a string).
+
+    ``k`` is the sample's index among the identical prompts of the call (its index in its group). The real
+    generation still runs first; everything downstream (decoding, rewards, advantages, masks, the loss) is
+    the trainer's own, on completions whose length and EOS a test chose. The record of behaviour log-probs
+    made during generation is refused for these tokens, so TRL recomputes them.
+    """
+    tokenizer = trainer.processing_class
+    original = trainer._generate_single_turn
+
+    def _generate_single_turn(prompt_ids, *args, **kwargs):
+        original(prompt_ids, *args, **kwargs)
+        seen: dict = {}
+        out = []
+        for ids in prompt_ids:
+            k = seen.get(tuple(ids), 0)
+            seen[tuple(ids)] = k + 1
+            text = completion_for(tokenizer.decode(ids, skip_special_tokens=True), k)
+            out.append(tokenizer(text, add_special_tokens=False)["input_ids"][: trainer.max_completion_length])
+        return out, None
+
+    trainer._generate_single_turn = _generate_single_turn
+
+
 def exit_without_teardown(code: int = 0) -> None:
     """End a multi-process test worker once its results are written, skipping interpreter teardown.
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import force_completions
 from grpo_variants import ConfigError, DynamicSamplingError, get_variant, toy
 from grpo_variants.rewards.builtin import overlong_penalty_value
 from grpo_variants.variants.dapo import DAPOConfig, DAPOTrainer, select_groups
@@ -125,11 +126,17 @@ class _Recorder:
         trainer._compute_loss, trainer._generate, trainer._dynamic_sampling_rollout = _compute_loss, _generate, _rollout
 
 
+def odd_operand_reward(prompts, completions, **kwargs):
+    """Constant for an even first operand (the group is dropped); otherwise 0, 1, 0, 1 by position in the call
+    (the group is kept). Which groups qualify depends on the seeded prompt stream only, not on what was sampled."""
+    return [0.0 if _first_operand(p) % 2 == 0 else float(i % 2) for i, p in enumerate(prompts)]
+
+
 def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_train_dataset, make_args):
     # 8 completions per micro-batch, 2 micro-batches per generation: 16 completions = 4 groups of 4 per rollout
     args = make_args(DAPOConfig, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=2,
-                     overlong_penalty=False, max_num_gen_batches=0)
-    trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
+                     overlong_penalty=False, max_num_gen_batches=0, reward_cache=False)
+    trainer = DAPOTrainer(model=toy_model_path, reward_funcs=odd_operand_reward, args=args,
                           train_dataset=small_train_dataset)
     rec = _Recorder(trainer)
     trainer.train()
@@ -148,7 +155,7 @@ def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_trai
         assert inputs["completion_ids"].size(0) == 8 == inputs["advantages"].size(0)
         # binary reward: a group with non-equal rewards gives every member a non-zero advantage
         assert bool((inputs["advantages"].abs() > 1e-6).all()), "a zero-variance group reached the loss"
-    # ... while the rollouts did generate zero-variance groups (the warm-started toy policy is ~30% accurate)
+    # ... while the rollouts did generate zero-variance groups (every prompt with an even first operand)
     dropped = sum(info.groups_generated - info.groups_kept for _, info in rec.rollouts)
     assert dropped > 0, "no group was ever dropped: the test would not see a broken filter"
     assert rec.generate_calls == sum(info.rounds for _, info in rec.rollouts)
@@ -188,8 +195,9 @@ def test_surplus_groups_are_cut_keeping_the_first(toy_model_path, small_train_da
     def always_varies(prompts, completions, **kwargs):  # every group qualifies: round 1 fills the batch
         return [float(i % 2) for i in range(len(completions))]
 
-    trainer = DAPOTrainer(model=toy_model_path, reward_funcs=always_varies,
-                          args=make_args(DAPOConfig, max_steps=1), train_dataset=small_train_dataset)
+    trainer = DAPOTrainer(model=toy_model_path, reward_funcs=always_varies,  # no cache: identical completions
+                          args=make_args(DAPOConfig, max_steps=1, reward_cache=False),  # keep their own scores
+                          train_dataset=small_train_dataset)
     rec = _Recorder(trainer)
     trainer.train()
     (_, info), = rec.rollouts
@@ -234,6 +242,8 @@ def test_overlong_penalty_is_added_and_applied(toy_model_path, small_train_datas
                      reward_weights=[2.0])
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
                           train_dataset=small_train_dataset)
+    # the k-th sample of each group is 2, 3, 5 or 6 tokens long (the last one truncated): both regions of eq. 13
+    force_completions(trainer, lambda prompt, k: ["9</s>", "99</s>", "9999</s>", "999999"][k])
     assert trainer.reward_func_names == ["toy_accuracy_pm1", "overlong_penalty"]
     assert trainer.reward_weights.tolist() == [2.0, 1.0] and args.reward_weights == [2.0]  # caller's config intact
     seen = {}
@@ -250,7 +260,7 @@ def test_overlong_penalty_is_added_and_applied(toy_model_path, small_train_datas
     rewards = seen["rewards"]
     expected = [overlong_penalty_value(n, 6, 3) for n in seen["lengths"]]  # L_max = max_completion_length = 6
     assert rewards[:, 1].tolist() == pytest.approx(expected)
-    assert any(v < 0 for v in expected), "no completion reached the soft buffer: the check would be vacuous"
+    assert any(v < 0 for v in expected) and any(v == 0 for v in expected), "one region of eq. 13 is untested"
     assert seen["weighted"].tolist() == pytest.approx((2.0 * rewards[:, 0] + rewards[:, 1]).tolist())
     # the three regions and both boundaries of eq. 13 at L_max=6, L_cache=3
     assert [overlong_penalty_value(n, 6, 3) for n in (2, 3, 4, 5, 6, 7)] == pytest.approx(
@@ -262,6 +272,7 @@ def test_truncated_completions_get_no_gradient(toy_model_path, small_train_datas
     args = make_args(DAPOConfig, max_steps=1, max_completion_length=3, dynamic_sampling=False)
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
                           train_dataset=small_train_dataset)
+    force_completions(trainer, lambda prompt, k: "12</s>" if k % 2 == 0 else "123")  # fits / cut off by construction
     rec = _Recorder(trainer)
     trainer.train()
     inputs = rec.loss_inputs[0]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import position_reward
 from grpo_variants import ConfigError, DatasetError, get_variant, toy
 from grpo_variants.variants.igrpo import (
     DEFAULT_DRAFT_TEMPLATE,
@@ -230,11 +231,12 @@ def test_refinement_prompts_hold_best_draft_and_only_stage2_is_trained(toy_model
 def test_toy_training_run_logs_metrics_and_charges_draft_tokens(toy_model_path, small_train_dataset, make_args):
     trainer = IGRPOTrainer(
         model=toy_model_path,
-        # The toy policy rarely answers q' correctly (2-4%): a length penalty keeps a gradient in every run.
-        reward_funcs=["toy_accuracy", LengthReward()],
+        # The toy policy rarely answers q' correctly (2-4%): position_reward gives every group distinct
+        # rewards, so there is a policy gradient at every step by construction.
+        reward_funcs=["toy_accuracy", position_reward],
         # Two micro-steps per rollout: the generation batch (8 prompts) is sliced after the rollout.
-        args=_igrpo_args(make_args, num_drafts=4, max_steps=4, steps_per_generation=2, reward_cache=True,
-                         reward_weights=[1.0, -0.1]),
+        args=_igrpo_args(make_args, num_drafts=4, max_steps=4, steps_per_generation=2, reward_cache=False,
+                         reward_weights=[1.0, 0.1]),
         train_dataset=small_train_dataset,
     )
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
@@ -243,6 +245,9 @@ def test_toy_training_run_logs_metrics_and_charges_draft_tokens(toy_model_path, 
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters()), "no parameter changed"
     records = [r for r in trainer.state.log_history if "igrpo/draft_reward_mean" in r]
     assert len(records) == 2  # one per rollout
+    # N = G = 4 completions per prompt, each 1 to L tokens long: the draft share of the generated tokens is
+    # between N / (N + G L) (1-token drafts, L-token refinements) and N L / (N L + G), whatever was sampled.
+    N, G, L = trainer.args.num_drafts, trainer.num_generations, trainer.args.max_completion_length
     for r in records:
         assert r["igrpo/draft_reward_mean"] <= r["igrpo/best_draft_reward_mean"]
         assert r["igrpo/refinement_gain"] == pytest.approx(
@@ -251,7 +256,7 @@ def test_toy_training_run_logs_metrics_and_charges_draft_tokens(toy_model_path, 
         assert r["igrpo/refined_reward_mean"] == pytest.approx(r["reward"], abs=1e-6)  # TRL's reward = stage 2
         # Draft tokens are generated but never trained: the kept fraction is exactly the stage-2 share,
         # and the useful-token fraction (over every generated token) can be no larger.
-        assert 0.2 < r["igrpo/draft_token_fraction"] < 0.8
+        assert N / (N + G * L) - 1e-9 <= r["igrpo/draft_token_fraction"] <= N * L / (N * L + G) + 1e-9
         assert r["tokens/kept_fraction"] == pytest.approx(1.0 - r["igrpo/draft_token_fraction"], abs=1e-6)
         assert 0.0 <= r["useful_token_fraction"] <= r["tokens/kept_fraction"] + 1e-9
 

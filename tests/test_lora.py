@@ -67,7 +67,9 @@ def test_lora_trains_only_the_adapter_and_reloads(toy_model_path, small_train_da
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    trainer = _train_lora("grpo", toy_model_path, small_train_dataset, tmp_path, max_steps=3, beta=0.04)
+    # fixed mixed-correctness completions: the adapter gets a gradient on step 1 by construction
+    trainer = _train_lora("grpo", toy_model_path, small_train_dataset, tmp_path, deterministic=True, max_steps=3,
+                          beta=0.04)
     # beta > 0 with a fresh adapter: the reference is the model with the adapter disabled, not a copy
     assert trainer.ref_model is None and trainer.args.beta > 0
     kl = [r["kl"] for r in trainer.state.log_history if "kl" in r]

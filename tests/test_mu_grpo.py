@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import grpo_variants.trainer as base_trainer
-from conftest import tiny_args
+from conftest import force_completions, tiny_args
 from grpo_variants import (
     ConfigError,
     DatasetError,
@@ -120,7 +120,8 @@ def test_buffer_generated_once_per_stage(toy_model_path, small_train_dataset, ma
     original_loss = trainer._compute_loss
 
     def recording_loss(model, inputs):
-        batches.append({k: inputs[k].clone() for k in ("completion_ids", "policy_version", "old_per_token_logps")})
+        batches.append({k: inputs[k].clone() for k in ("prompt_ids", "completion_ids", "policy_version",
+                                                        "old_per_token_logps")})
         return original_loss(model, inputs)
 
     trainer._compute_loss = recording_loss
@@ -136,7 +137,7 @@ def test_buffer_generated_once_per_stage(toy_model_path, small_train_dataset, ma
     # µ = 4 over 2 mini-batches: each stored mini-batch is revisited once, in the same order.
     assert torch.equal(batches[0]["completion_ids"], batches[2]["completion_ids"])
     assert torch.equal(batches[1]["completion_ids"], batches[3]["completion_ids"])
-    assert not torch.equal(batches[0]["completion_ids"], batches[1]["completion_ids"])
+    assert not torch.equal(batches[0]["prompt_ids"], batches[1]["prompt_ids"])  # two different mini-batches
     # Stored behaviour log-probs are the frozen policy's: unchanged while the policy moves.
     assert torch.equal(batches[0]["old_per_token_logps"], batches[2]["old_per_token_logps"])
     ratio_first = _metric(trainer, "mu_grpo/neg_adv_ratio_mean")[0]
@@ -203,6 +204,8 @@ def test_veto_scopes_in_a_trainer_step(toy_model_path, small_train_dataset, make
     args = make_args(MuGRPOConfig, stage_prompts=4, updates_per_stage=2, max_steps=1, veto_scope=scope)
     trainer = _CraftedMuGRPO(model=toy_model_path, reward_funcs="toy_accuracy", args=args,
                              train_dataset=small_train_dataset)
+    # 3 to 6 tokens per completion by construction: every row has tokens before and after its trigger
+    force_completions(trainer, lambda prompt, k: ["12</s>", "123</s>", "1234</s>", "12345</s>"][k])
     trainer.train()
     (logp, old, adv, mask, out), = captured
     adv = adv.view(-1, 1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from trl import GRPOConfig
 
+from conftest import position_reward
 from grpo_variants import (
     ConfigError,
     DatasetError,
@@ -28,8 +29,8 @@ def _params(model):
 def test_three_step_training_run(toy_model_path, small_train_dataset, make_args):
     trainer = GRPOVariantTrainer(
         model=toy_model_path,
-        reward_funcs="toy_accuracy",
-        args=make_args(max_steps=3),
+        reward_funcs=position_reward,  # distinct rewards in every group: a policy gradient at every step
+        args=make_args(max_steps=3, reward_cache=False),
         train_dataset=small_train_dataset,
     )
     before = _params(trainer.model)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import HfArgumentParser
 
+from conftest import position_reward
 from grpo_variants import ConfigError, get_variant
 from grpo_variants.losses import discounted_future_sum, fipo_weights
 
@@ -25,10 +26,10 @@ ADV = torch.tensor([1.2, -0.7, 0.5, -1.3, 0.9, -0.4])
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------------
-def make_trainer(name, make_args, toy_model_path, dataset, **overrides):
+def make_trainer(name, make_args, toy_model_path, dataset, reward_funcs="toy_accuracy", **overrides):
     spec = get_variant(name)
     args = make_args(spec.config_cls, **overrides)
-    return spec.trainer_cls(model=toy_model_path, reward_funcs="toy_accuracy", args=args, train_dataset=dataset)
+    return spec.trainer_cls(model=toy_model_path, reward_funcs=reward_funcs, args=args, train_dataset=dataset)
 
 
 def hand_batch(trainer, seed=0):
@@ -320,9 +321,11 @@ def test_fipo_is_trivial_on_policy(toy_model_path, small_train_dataset, make_arg
 # Short training runs
 # ---------------------------------------------------------------------------------------------------------------
 def train_and_logs(name, make_args, toy_model_path, dataset, **overrides):
-    values = dict(per_device_train_batch_size=8, max_steps=3)
+    """A short real run whose every group has distinct rewards (``position_reward``): the advantages and the
+    policy gradient are non-zero at every step by construction, whatever the policy sampled."""
+    values = dict(per_device_train_batch_size=8, max_steps=3, reward_cache=False)
     values.update(overrides)
-    trainer = make_trainer(name, make_args, toy_model_path, dataset, **values)
+    trainer = make_trainer(name, make_args, toy_model_path, dataset, reward_funcs=position_reward, **values)
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     result = trainer.train()
     assert trainer.state.global_step == values["max_steps"] and math.isfinite(result.training_loss)
