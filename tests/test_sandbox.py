@@ -781,3 +781,26 @@ def test_no_zombie_left_when_the_trainer_is_a_reaper():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["timed_out"] == [True, False, True]
     assert res["children"] == [], res  # neither zombies nor live children: every process was reaped
+
+
+def test_humaneval_check_function_and_nested_asserts():
+    from grpo_variants.rewards import judge
+
+    src = _dedent(
+        """
+        METADATA = {}
+        def check(candidate):
+            assert candidate(1, 2) == 3
+            assert candidate(0, 0) == 0, "zero"
+            for i in range(3):
+                assert candidate(i, i) == 2 * i
+        check(add)
+        """
+    )
+    units, cases = judge.parse_tests(src)
+    assert [(c.probe, c.op, c.expected) for u in units[:2] for c in u.checks] == [("add(1, 2)", "==", 3),
+                                                                                ("add(0, 0)", "==", 0)]
+    assert units[0].setup == ["METADATA = {}\n"] and units[2].unsupported and not cases
+    good = "```python\ndef add(a, b):\n    return a + b\n```"
+    reward = make_code_reward("fraction", on_unsupported="fail")
+    assert reward(prompts=["p"], completions=[good], tests=[src]) == [pytest.approx(2 / 3)]

@@ -26,9 +26,12 @@ string of test code):
   - ``assert f(args)`` / ``assert not f(args)`` with literal arguments: the truthiness of the returned
     value (the parent computes it).
   - ``assert A and B``: every part must hold. A trailing message (``assert x == 1, "msg"``) is ignored.
+  - HumanEval style: ``def check(candidate): assert candidate(1) == 2 ...`` followed by ``check(f)`` is
+    unrolled into its asserts on ``f``.
   - Anything else (``assert all(f(i) == i for i in ...)``, ``assert isinstance(...)``): not judgeable
     without trusting the program's interpreter; ``on_unsupported="error"`` raises a
     :class:`~grpo_variants.errors.DatasetError` naming the test, ``"fail"`` counts it failed (warned once).
+    So is an assert nested in a loop, an ``if`` or a helper function.
 * **stdin/stdout cases**: a dict ``{"input": str, "output": str}`` as an item, or the whole column
   value ``{"inputs": [...], "outputs": [...]}`` (APPS/CodeContests style). The program runs once per
   case with that stdin; it passes when it exits with status 0 and its stdout equals the expected
@@ -220,6 +223,38 @@ def _as_text(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+class _Rename(ast.NodeTransformer):
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.copy_location(ast.Name(self.new, node.ctx), node) if node.id == self.old else node
+
+
+def _statements(tree: ast.Module, lines: list[str]):
+    """Top-level statements with their source; a HumanEval-style ``def check(candidate): ...`` followed
+    by ``check(f)`` is unrolled into its body with ``candidate`` renamed to ``f``."""
+    body = tree.body
+    checks = {n.name: n for n in body if isinstance(n, ast.FunctionDef) and n.args.args and len(n.args.args) == 1}
+    calls = [n for n in body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
+             and isinstance(n.value.func, ast.Name) and n.value.func.id in checks
+             and len(n.value.args) == 1 and isinstance(n.value.args[0], ast.Name)]
+    unrolled = {c.value.func.id for c in calls}
+    for node in body:
+        if isinstance(node, ast.FunctionDef) and node.name in unrolled:
+            continue  # expanded where it is called
+        if node in calls:
+            fn = checks[node.value.func.id]
+            rename = _Rename(fn.args.args[0].arg, node.value.args[0].id)
+            for stmt in fn.body:
+                if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+                    continue  # docstring
+                stmt = ast.fix_missing_locations(rename.visit(stmt))
+                yield stmt, ast.unparse(stmt) + "\n"
+            continue
+        yield node, "".join(lines[node.lineno - 1: node.end_lineno])
+
+
 def parse_tests(tests: Any) -> tuple[list[TestUnit], list[StdioCase]]:
     """Split a sample's tests into assert-style units (with their setup) and stdin/stdout cases.
 
@@ -244,8 +279,7 @@ def parse_tests(tests: Any) -> tuple[list[TestUnit], list[StdioCase]]:
             pending = []
             continue
         lines = text.splitlines(keepends=True)
-        for node in tree.body:
-            seg = "".join(lines[node.lineno - 1: node.end_lineno])
+        for node, seg in _statements(tree, lines):
             if isinstance(node, ast.Assert):
                 unit = TestUnit(seg.strip(), list(pending))
                 pending = []
@@ -254,6 +288,10 @@ def parse_tests(tests: Any) -> tuple[list[TestUnit], list[StdioCase]]:
                 except UnsupportedTest as exc:
                     unit.unsupported = str(exc)
                 units.append(unit)
+            elif any(isinstance(n, ast.Assert) for n in ast.walk(node)):
+                # An assert inside a loop/if/function body: its verdict would come from the sandbox.
+                units.append(TestUnit(seg.strip(), list(pending), unsupported="an assert nested in a statement"))
+                pending = []
             else:
                 pending.append(seg)
     return units, cases  # trailing setup with no assert after it has nothing to judge

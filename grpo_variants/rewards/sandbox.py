@@ -427,8 +427,11 @@ class _UidSlot:
                     os.close(fd)
                     continue
                 self.uid, self._fd = uid, fd
-                # A previous holder that crashed may have left processes behind: they are ours.
-                _kill_matching(uid=uid, sid=None)
+                # A previous holder that did not finish (crashed) may have left processes behind: they
+                # are ours. (The lock file says "busy" from acquisition to a clean release.)
+                if os.pread(fd, 4, 0) != b"idle":
+                    _kill_matching(uid=uid, sid=None)
+                os.pwrite(fd, b"busy", 0)
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"All {len(uids)} sandbox uids stay busy; raise GRPO_SANDBOX_UID_SLOTS.")
@@ -436,6 +439,10 @@ class _UidSlot:
 
     def release(self) -> None:
         if self._fd is not None:
+            try:
+                os.pwrite(self._fd, b"idle", 0)
+            except OSError:
+                pass
             os.close(self._fd)  # releases the flock
             self._fd = None
 
@@ -556,11 +563,13 @@ class _Cgroups:
         run.remove()
         return True
 
-    def create(self, memory_bytes: int, max_processes: int) -> "_RunCgroup":
+    def create(self, memory_bytes: int, max_processes: int | None) -> "_RunCgroup":
+        """A run's cgroup; ``max_processes=None`` (v1): no pids cgroup, RLIMIT_NPROC of a dedicated uid binds."""
         tag = "run_" + uuid.uuid4().hex[:12]
         dirs = []
+        parents = [p for c, p in self.parents.items() if c != "pids" or max_processes is not None]
         try:
-            for parent in self.parents.values():
+            for parent in parents:
                 d = os.path.join(parent, tag)
                 os.mkdir(d)
                 dirs.append(d)
@@ -569,13 +578,14 @@ class _Cgroups:
                 _write(os.path.join(d, "memory.max"), str(memory_bytes))
                 if os.path.exists(os.path.join(d, "memory.swap.max")):
                     _write(os.path.join(d, "memory.swap.max"), "0")
-                _write(os.path.join(d, "pids.max"), str(max_processes))
+                _write(os.path.join(d, "pids.max"), str(max_processes if max_processes is not None else "max"))
             else:
-                mem, pids = dirs
+                mem = dirs[0]
                 _write(os.path.join(mem, "memory.limit_in_bytes"), str(memory_bytes))
                 if os.path.exists(os.path.join(mem, "memory.memsw.limit_in_bytes")):
                     _write(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(memory_bytes))
-                _write(os.path.join(pids, "pids.max"), str(max_processes))
+                if max_processes is not None:
+                    _write(os.path.join(dirs[1], "pids.max"), str(max_processes))
         except OSError:
             for d in dirs:
                 _rmdir(d)
@@ -912,7 +922,10 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             rlimits.append(("RLIMIT_NPROC", int(max_processes), int(max_processes)))
         if cg is not None:
             try:
-                run_cg = cg.create(total_mb << 20, int(max_processes) + 2)  # + the stub/bwrap and bwrap's init
+                # + 2: the stub (then bwrap) and bwrap's init. With a dedicated uid, RLIMIT_NPROC already
+                # bounds exactly this run's processes, and v1 saves joining a second hierarchy.
+                pids = None if (cg.version == "v1" and slot.uid is not None) else int(max_processes) + 2
+                run_cg = cg.create(total_mb << 20, pids)
             except OSError as exc:
                 logger.warning("grpo-variants sandbox: could not create the run's cgroup (%s); polling memory", exc)
         inside = mode == "bwrap"
@@ -985,7 +998,10 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
                 break
             time.sleep(0.002)
         _kill_run(proc.pid, init_pidfd, run_cg)
-        _kill_matching(uid=slot.uid, sid=proc.pid)
+        if run_cg is None or mode != "bwrap":
+            # No cgroup (or no PID namespace): find what is left by uid and session. (A process cannot
+            # leave its cgroup: bubblewrap's root has no /sys, and the cgroup namespace hides the rest.)
+            _kill_matching(uid=slot.uid, sid=proc.pid)
         rc = proc.wait()
         _reap_orphan_init(init_pidfd)
         cleaned = True
@@ -1044,22 +1060,18 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
 
 def _init_pidfd(info_r: int, outer_pid: int) -> int | None:
     """A pidfd on bubblewrap's PID 1 (from ``--info-fd``), verified to be the outer bwrap's child."""
+    import select
+
     data = b""
-    deadline = time.monotonic() + 0.5
-    os.set_blocking(info_r, False)
-    while time.monotonic() < deadline:
-        try:
-            chunk = os.read(info_r, 4096)
-        except BlockingIOError:
-            if _exited_nowait(outer_pid):
-                break
-            time.sleep(0.001)
-            continue
-        if not chunk:
+    deadline = time.monotonic() + 2.0
+    while b"}" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([info_r], [], [], left)[0]:
+            break
+        chunk = os.read(info_r, 4096)
+        if not chunk:  # bwrap closed it (exited, or failed before starting the program)
             break
         data += chunk
-        if b"}" in data:
-            break
     try:
         pid = int(json.loads(data.decode())["child-pid"])
     except (ValueError, KeyError, TypeError):
