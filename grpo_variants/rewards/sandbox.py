@@ -200,8 +200,9 @@ if cfg["mount"]:
     check(libc.unshare(0x00020000 | cfg["unshare_extra"]), "unshare")
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making / private")
     if cfg["ro_host"]:
-        # struct mount_attr {attr_set = RDONLY|NOSUID|NODEV, attr_clr, propagation, userns_fd}
-        attr = (ctypes.c_uint64 * 4)(1 | 2 | 4, 0, 0, 0)
+        # struct mount_attr {attr_set = RDONLY|NOSUID, attr_clr, propagation, userns_fd} (devices stay
+        # usable: /dev/null; the uid's permissions keep it from the others)
+        attr = (ctypes.c_uint64 * 4)(1 | 2, 0, 0, 0)
         check(libc.syscall(442, -100, b"/", 0x8000, ctypes.byref(attr), ctypes.sizeof(attr)),
               "mount_setattr(read-only, recursive)")
     opts = "size=%dm,nr_inodes=%d,mode=0700" % (cfg["workdir_mb"], cfg["max_files"])
@@ -218,8 +219,12 @@ if cfg["mount"]:
                 f.write(data)
         if uid is not None:
             os.chown(p, uid, uid)
-    for d in cfg["bind_tmp"]:
-        check(libc.mount(os.path.join(wd, "tmp").encode(), d.encode(), None, MS_BIND, None), "bind on " + d)
+    if cfg["bind_tmp"]:
+        # The whole tmpfs becomes /tmp (and /var/tmp, /dev/shm): the workdir may lie under /tmp, so bind
+        # it through a descriptor opened before its path is shadowed.
+        src = ("/proc/self/fd/%d" % os.open(wd, os.O_PATH | os.O_DIRECTORY)).encode()
+        for d in cfg["bind_tmp"]:
+            check(libc.mount(src, d.encode(), None, MS_BIND, None), "bind on " + d)
 for name, soft, hard in cfg["rlimits"]:
     resource.setrlimit(getattr(resource, name), (soft, hard))
 if uid is not None:
@@ -929,10 +934,12 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             except OSError as exc:
                 logger.warning("grpo-variants sandbox: could not create the run's cgroup (%s); polling memory", exc)
         inside = mode == "bwrap"
-        cwd = _INSIDE_WORKDIR if inside else str(workdir)
+        bind_tmp = [d for d in _HOST_TMP_DIRS if os.path.isdir(d) and not os.path.islink(d)] \
+            if mode == "namespaces" and caps["inode_cap"] else []
+        cwd = _INSIDE_WORKDIR if inside else ("/tmp" if bind_tmp else str(workdir))
         prog_env = dict(SANDBOX_ENV)
         prog_env.update(env or {})
-        prog_env.update(HOME=cwd, TMPDIR="/tmp" if inside or mode == "namespaces" else str(workdir / "tmp"))
+        prog_env.update(HOME=cwd, TMPDIR="/tmp" if inside or bind_tmp else str(workdir / "tmp"))
         pass_fds: tuple[int, ...] = ()
         if inside:
             info_r, info_w = os.pipe()
@@ -942,14 +949,13 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             argv = [py, "-I", "-B", "-X", "utf8", "main.py"]
         cfg = {
             "workdir": str(workdir),
-            "cwd": "/" if inside else str(workdir),
+            "cwd": "/" if inside else cwd,
             "uid": slot.uid,
             "mount": bool(caps["inode_cap"]),
             "ro_host": mode == "namespaces",
             "unshare_extra": (0x40000000 | 0x08000000) if mode == "namespaces" and not network else
                              (0x08000000 if mode == "namespaces" else 0),
-            "bind_tmp": [d for d in _HOST_TMP_DIRS if os.path.isdir(d) and not os.path.islink(d)]
-                        if mode == "namespaces" and caps["inode_cap"] else [],
+            "bind_tmp": bind_tmp,
             "workdir_mb": int(workdir_mb),
             "max_files": max(16, int(max_files)),
             "rlimits": rlimits,
@@ -1004,6 +1010,8 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             _kill_matching(uid=slot.uid, sid=proc.pid)
         rc = proc.wait()
         _reap_orphan_init(init_pidfd)
+        if mode != "bwrap" and slot.uid is not None:
+            _reap_uid_orphans(slot.uid)
         cleaned = True
         out_s = stdout.decode("utf-8", errors="replace")
         err_s = stderr.decode("utf-8", errors="replace")
@@ -1116,6 +1124,20 @@ def _reap_orphan_init(init_pidfd: int | None) -> None:
         if res is not None:
             return
         time.sleep(0.002)
+
+
+def _reap_uid_orphans(uid: int) -> None:
+    """Without a PID namespace, a run's double-forked daemon is reparented to a reaper: when that is
+    us, reap the zombies of the run's (dedicated, so unambiguous) uid."""
+    if not _is_reaper():
+        return
+    me = os.getpid()
+    for pid in _matching_pids(uid, None):
+        if _ppid(pid) == me:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
 
 
 def _feed(fd: int, data: bytes) -> None:
