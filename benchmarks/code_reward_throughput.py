@@ -8,7 +8,7 @@ fresh interpreter with that tree first on ``sys.path``; before and after alterna
 measurement serial and pool alternate which goes first. The result is the after/before ratio of the
 medians (timings on a shared machine are noisy; the ratio is the result, not the seconds).
 
-    python benchmarks/code_reward_throughput.py [--reps 3] [--before-ref df418de]
+    python benchmarks/code_reward_throughput.py [--reps 3] [--before-ref df418de] [--quick]
 
 Writes benchmarks/results/code_reward.json and benchmarks/results/code_reward.md.
 """
@@ -91,7 +91,10 @@ def main() -> dict:
     ap.add_argument("--before-ref", default="df418de", help="git ref of the 'before' sandbox (default: the "
                     "commit before the judge/bubblewrap change)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--quick", action="store_true", help="one repetition, results printed, not written")
     args = ap.parse_args()
+    if args.quick:
+        args.reps = 1
 
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="code_reward_before_") as tmp:
@@ -135,6 +138,9 @@ def main() -> dict:
         "python": platform.python_version(),
         "note": "time ratio after/before (below 1: faster); shared machine, timings noisy, compare the ratios",
     }
+    if args.quick:
+        print(json.dumps(result, indent=2))
+        return result
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "code_reward.json").write_text(json.dumps(result, indent=2) + "\n")
     r = result["ratio_after_over_before"]
