@@ -749,8 +749,13 @@ def test_tmpfs_inode_cap():
 
 _REAPER_SCRIPT = r"""
 import ctypes, json, os, sys, time
+import importlib.util
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us, as to a PID 1
-from grpo_variants.rewards import run_in_sandbox
+# The sandbox module alone (stdlib only): no need to import torch and TRL with the package.
+spec = importlib.util.spec_from_file_location("sandbox_under_test", sys.argv[1])
+sb = sys.modules["sandbox_under_test"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sb)
+run_in_sandbox = sb.run_in_sandbox
 rs = [run_in_sandbox("import time\ntime.sleep(30)", timeout=0.5),
       run_in_sandbox("import os\nif os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(30)\nprint(1)"),
       run_in_sandbox("while True: pass", timeout=0.5)]
@@ -775,8 +780,9 @@ def test_no_zombie_left_when_the_trainer_is_a_reaper():
     import sys
 
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", _REAPER_SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=120)
+    module = REPO / "grpo_variants" / "rewards" / "sandbox.py"
+    out = subprocess.run([sys.executable, "-c", _REAPER_SCRIPT, str(module)], capture_output=True, text=True,
+                         env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["timed_out"] == [True, False, True]

@@ -653,15 +653,21 @@ class _RunCgroup:
             except OSError:
                 pass
         deadline = time.monotonic() + wait_s
+        seen: set[int] = set()
         while True:
             pids = [p for p in self.pids() if not _is_zombie(p)]
-            if not pids or time.monotonic() > deadline:
-                return
+            seen.update(pids)
             for p in pids:
                 try:
                     os.kill(p, signal.SIGKILL)
                 except OSError:
                     pass
+            # A process leaves cgroup.procs a little before it is a zombie: wait for that too, so that
+            # nothing of the run is still running when we return.
+            if not pids and all(_is_zombie(p) for p in seen):
+                return
+            if time.monotonic() > deadline:
+                return
             time.sleep(0.002)
 
     def oom_killed(self) -> bool:
