@@ -16,7 +16,7 @@ A run is a chain of processes, each exec'ing the next::
 
     trainer --Popen--> stub (python -I -S, as the trainer's user)  --exec-->  bwrap  -->  python main.py
 
-The **stub** (``_STUB``, ~60 lines) does only what bubblewrap cannot: it joins the run's cgroup, sets
+The **stub** (``_STUB``, ~80 lines) does only what bubblewrap cannot: it joins the run's cgroup, sets
 the rlimits, and (as root) mounts the run's inode-capped tmpfs in a private mount namespace, then drops
 to the run's dedicated uid and execs **bubblewrap** (Debian package ``bubblewrap``, the sandbox under
 Flatpak), which builds the namespaces and the minimal root:
@@ -40,7 +40,9 @@ Around it, from the trainer's side:
   run, the program cannot signal the trainer, and every process of that uid belongs to the run.
 * **Total memory and process count** (``total_memory_mb``, default ``memory_mb``; ``max_processes``):
   one cgroup per run, cgroup v2 (``memory.max``, ``memory.swap.max = 0``, ``pids.max``) where the
-  trainer can create one with both controllers, else cgroup v1 (``memory`` and ``pids`` hierarchies).
+  trainer can create one with both controllers, else cgroup v1 (``memory``; ``pids`` too
+  when there is no dedicated uid: with one, RLIMIT_NPROC already bounds exactly the run's processes,
+  and each v1 hierarchy joined costs a migration).
   Every process of the run is in it from its start (the stub joins before anything forks); the
   kernel's OOM killer ends the run at the limit (``killed_reason="memory"``), tmpfs pages included.
   *Fallback* without a usable cgroup: the trainer sums the resident memory of the run's processes
