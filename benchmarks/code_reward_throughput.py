@@ -107,7 +107,8 @@ def main() -> dict:
             for label, tree in sides:
                 m = _measure(tree, rep)
                 runs[label].append(m)
-                print(f"rep {rep} {label:6s} serial {m['serial']:6.2f} s   pool({m['pool_workers']}) {m['pool']:6.2f} s")
+                print(f"rep {rep} {label:6s} serial {m['serial']:6.2f} s   "
+                      f"pool({m['pool_workers']}) {m['pool']:6.2f} s")
 
     def med(label: str, key: str) -> float:
         return statistics.median(m[key] for m in runs[label])
@@ -147,7 +148,8 @@ def main() -> dict:
     md = [
         "# Code reward throughput: before vs after the judge/bubblewrap sandbox",
         "",
-        f"{N_PROGRAMS} programs (40 passing, 24 failing or crashing, 8 sleeping 0.2 s) scored by `CodeReward(\"all\")`, "
+        f"{N_PROGRAMS} programs (40 passing, 24 failing or crashing, 8 sleeping 0.2 s) scored by "
+        "`CodeReward(\"all\")`, "
         f"serially and through the default pool ({result['pool_workers']} workers), by the tree at "
         f"`{args.before_ref}` (before) and the current one (after), alternating, {args.reps} repetitions, medians. "
         f"{os.cpu_count()} CPU cores (shared).",

@@ -521,37 +521,44 @@ def test_faked_pass_scores_zero(name):
 
 
 def test_expected_values_never_reach_the_program():
-    """The program dumps everything it can see (its script, every string in memory, stdin, env, the
-    host files a dataset could be in) and returns it; the secret expected value is in none of it."""
+    """The program searches everything it can see (its script, every string in memory, stdin, env, and,
+    where the host is hidden, the file a dataset with the gold answers would be in) for the secret
+    expected value and returns it; it finds it nowhere."""
     secret = f"gold-{secrets.token_hex(8)}"
     dataset = REPO / f".pytest_dataset_{TOKEN}.json"
     dataset.write_text('{"tests": ["assert solve() == %r"]}' % secret)
+    # Without a hidden host (modes other than bwrap) a world-readable dataset file is readable: documented.
+    paths = [str(dataset)] if CAPS["host_hidden"] else []
     try:
         prog = _dedent(
             f"""
-            import gc, os, sys
+            import gc, os, re, sys
             def solve():
+                pattern = re.compile("gold" + "-[0-9a-f]{{16}}")  # not spelled out in this source
                 seen = [open("main.py").read(), sys.stdin.read() if not sys.stdin.closed else "", str(os.environ)]
                 seen += [o for o in gc.get_objects() if isinstance(o, str)]
-                for path in ({str(dataset)!r}, "/proc/self/cmdline", "/proc/1/cmdline"):
+                for path in {paths!r} + ["/proc/self/cmdline", "/proc/1/cmdline", "/proc/self/environ"]:
                     try:
                         seen.append(open(path, errors="replace").read())
                     except OSError:
                         pass
                 for s in seen:
-                    i = s.find("gold-")
-                    if i >= 0:
-                        return s[i:i + 21]
+                    m = pattern.search(s)
+                    if m:
+                        return m.group(0)
                 return "nothing found"
             """
         )
+        assert "gold-" not in prog.replace('"gold" + "-', "")
         tests = [[f"assert solve() == {secret!r}"]]
-        assert make_code_reward("all")(prompts=["p"], completions=[prog], tests=tests) == [0.0]
-        if not CAPS["host_hidden"]:
-            pytest.skip(f"mode {CAPS['mode']!r} leaves the host readable; the in-run part passed")
-        # (With the host hidden even the dataset file is out of reach: the probe saw nothing.)
-        r = run_in_sandbox(f"import os\nprint(os.path.exists({str(dataset)!r}), os.path.exists({str(REPO)!r}))")
-        assert r.stdout.split() == ["False", "False"], r
+        reward = make_code_reward("all")
+        assert reward(prompts=["p"], completions=[prog], tests=tests) == [0.0]
+        # Sanity: the same search does find a value that is really there (here, in its own source).
+        planted = prog.replace("def solve():", f"PLANTED = {secret!r}\ndef solve():")
+        assert reward(prompts=["p"], completions=[planted], tests=tests) == [1.0]
+        if CAPS["host_hidden"]:
+            r = run_in_sandbox(f"import os\nprint(os.path.exists({str(dataset)!r}), os.path.exists({str(REPO)!r}))")
+            assert r.stdout.split() == ["False", "False"], r
     finally:
         dataset.unlink()
 
@@ -774,6 +781,8 @@ print(json.dumps({"timed_out": [r.timed_out for r in rs], "children": zombies}))
 """
 
 
+@pytest.mark.skipif(not CAPS["pidns"] and not CAPS["uid_drop"],
+                    reason="'process' mode without root: a setsid daemon escapes cleanup (documented)")
 def test_no_zombie_left_when_the_trainer_is_a_reaper():
     import json
     import subprocess
