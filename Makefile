@@ -10,9 +10,23 @@ TORCH_CPU ?= torch==2.13.0
 # seed (GRPO_VARIANTS_TOY_SEED, its own cached policy). A test that holds only for one float trajectory fails.
 PORTABLE_SEED ?= 1
 
-.PHONY: setup demo test test-fast test-portable bench clean
+.PHONY: setup sandbox-tools demo test test-fast test-portable bench clean
 
-setup: $(STAMP)
+setup: sandbox-tools $(STAMP)
+
+# bubblewrap isolates the code rewards' programs (docs/rewards.md). Installed with apt when root;
+# without it the sandbox falls back to weaker containment and says so once at start-up.
+sandbox-tools:
+	@if command -v bwrap >/dev/null 2>&1; then \
+		echo "bubblewrap present: $$(bwrap --version)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing bubblewrap (apt)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
+		echo "WARNING: could not install bubblewrap; the code sandbox will use its fallback (docs/rewards.md)"; \
+	else \
+		echo "WARNING: bubblewrap missing and not installable here (needs root and apt); the code sandbox will use its fallback (docs/rewards.md)"; \
+	fi
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -1,12 +1,14 @@
-"""Code-reward throughput: the sandbox pool in parallel vs one worker (serial), same sandbox.
+"""Code-reward throughput, before vs after a change of the sandbox, side by side in one run.
 
-64 small programs (passing, failing, and a few that sleep ~0.2 s) are scored with ``code_pass``'s
-machinery (``CodeReward``: the test harness in :func:`run_in_sandbox`, all containment on). The
-serial and parallel runs are interleaved and repeated in one process, alternating which goes
-first, and the medians are compared. Timings are noisy on a shared machine: the ratio is the
-result, not the absolute seconds.
+64 small programs (passing, failing, crashing, and a few that sleep 0.2 s) are scored with
+``CodeReward("all")`` serially (one worker) and through the default pool (``max_workers=None``:
+min(8, cores)), by two source trees: the current one ("after") and a checkout of ``--before-ref``
+("before", extracted with ``git archive`` into a temporary directory). Each measurement runs in a
+fresh interpreter with that tree first on ``sys.path``; before and after alternate, and within one
+measurement serial and pool alternate which goes first. The result is the after/before ratio of the
+medians (timings on a shared machine are noisy; the ratio is the result, not the seconds).
 
-    python benchmarks/code_reward_throughput.py [--reps 3] [--workers 4]
+    python benchmarks/code_reward_throughput.py [--reps 3] [--before-ref df418de] [--quick]
 
 Writes benchmarks/results/code_reward.json and benchmarks/results/code_reward.md.
 """
@@ -18,110 +20,152 @@ import json
 import os
 import platform
 import statistics
-import time
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+N_PROGRAMS = 64
+
+# Runs in a fresh interpreter with one source tree on sys.path; prints one JSON line.
+_WORKER = r"""
+import json, sys, time
+rep = int(sys.argv[1])
 from grpo_variants.rewards.builtin import CodeReward
 from grpo_variants.rewards.sandbox import sandbox_capabilities
-
-N_PROGRAMS = 64
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def make_batch(n: int = N_PROGRAMS) -> tuple[list[str], list[list[str]], list[float]]:
-    """Completions, tests and the expected code_pass score of each."""
-    completions, tests, expected = [], [], []
-    for i in range(n):
-        t = [f"assert f({i}) == {2 * i}", f"assert f({i + 1}) == {2 * i + 2}"]
-        if i % 8 == 7:  # slow but correct
-            body = "import time\ntime.sleep(0.2)\ndef f(x):\n    return 2 * x\n"
-            exp = 1.0
-        elif i % 4 == 1:  # wrong answer
-            body = "def f(x):\n    return 2 * x + 1\n"
-            exp = 0.0
-        elif i % 8 == 3:  # crashes
-            body = "def f(x):\n    return undefined_name * x\n"
-            exp = 0.0
-        else:
-            body = "def f(x):\n    return x + x\n"
-            exp = 1.0
-        completions.append(f"Here is my solution.\n```python\n{body}```")
-        tests.append(t)
-        expected.append(exp)
-    return completions, tests, expected
-
-
-def time_once(reward: CodeReward, completions, tests) -> tuple[float, list]:
+import grpo_variants
+completions, tests, expected = [], [], []
+for i in range(64):
+    t = ["assert f(%d) == %d" % (i, 2 * i), "assert f(%d) == %d" % (i + 1, 2 * i + 2)]
+    if i % 8 == 7:
+        body, exp = "import time\ntime.sleep(0.2)\ndef f(x):\n    return 2 * x\n", 1.0
+    elif i % 4 == 1:
+        body, exp = "def f(x):\n    return 2 * x + 1\n", 0.0
+    elif i % 8 == 3:
+        body, exp = "def f(x):\n    return undefined_name * x\n", 0.0
+    else:
+        body, exp = "def f(x):\n    return x + x\n", 1.0
+    completions.append("Here is my solution.\n```python\n" + body + "```")
+    tests.append(t)
+    expected.append(exp)
+caps = sandbox_capabilities()
+serial, pool = CodeReward("all", max_workers=1), CodeReward("all")
+serial(prompts=["p"] * 4, completions=completions[:4], tests=tests[:4])  # warm-up: probe, page cache
+pool(prompts=["p"] * 4, completions=completions[:4], tests=tests[:4])
+out = {"source": grpo_variants.__file__, "mode": caps.get("mode", "namespaces" if caps.get("mountns") else "process"),
+       "pool_workers": pool.pool.max_workers}
+order = [("serial", serial), ("pool", pool)]
+if rep % 2:
+    order.reverse()
+for name, reward in order:
     t0 = time.perf_counter()
-    scores = reward(prompts=["p"] * len(completions), completions=completions, tests=tests)
-    return time.perf_counter() - t0, scores
+    scores = reward(prompts=["p"] * 64, completions=completions, tests=tests)
+    out[name] = time.perf_counter() - t0
+    if scores != expected:
+        raise SystemExit("%s: scores differ from the expected ones: %s" % (name, scores))
+pool.close()
+print(json.dumps(out))
+"""
+
+
+def _checkout(ref: str, dest: Path) -> None:
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def _measure(tree: Path, rep: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    env.pop("GRPO_SANDBOX_DIR", None)
+    out = subprocess.run([sys.executable, "-c", _WORKER, str(rep)], capture_output=True, text=True, env=env,
+                         cwd=str(tree), timeout=1200)
+    if out.returncode != 0:
+        raise SystemExit(f"measurement with {tree} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=max(2, 2 * (os.cpu_count() or 1)))
+    ap.add_argument("--before-ref", default="df418de", help="git ref of the 'before' sandbox (default: the "
+                    "commit before the judge/bubblewrap change)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--quick", action="store_true", help="one repetition, results printed, not written")
     args = ap.parse_args()
+    if args.quick:
+        args.reps = 1
 
-    caps = sandbox_capabilities()
-    completions, tests, expected = make_batch()
-    serial = CodeReward("all", max_workers=1, timeout=10.0)
-    parallel = CodeReward("all", max_workers=args.workers, timeout=10.0)
-    # Warm-up (probe, page cache), not timed.
-    time_once(serial, completions[:4], tests[:4])
-    time_once(parallel, completions[:4], tests[:4])
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory(prefix="code_reward_before_") as tmp:
+        before = Path(tmp)
+        _checkout(args.before_ref, before)
+        for rep in range(args.reps):
+            sides = [("before", before), ("after", ROOT)]
+            if rep % 2:
+                sides.reverse()
+            for label, tree in sides:
+                m = _measure(tree, rep)
+                runs[label].append(m)
+                print(f"rep {rep} {label:6s} serial {m['serial']:6.2f} s   "
+                      f"pool({m['pool_workers']}) {m['pool']:6.2f} s")
 
-    serial_s, parallel_s = [], []
-    for rep in range(args.reps):
-        order = [("serial", serial), ("parallel", parallel)]
-        if rep % 2:
-            order.reverse()
-        for label, reward in order:
-            dt, scores = time_once(reward, completions, tests)
-            if scores != expected:
-                raise SystemExit(f"{label} run {rep}: scores differ from the expected ones: {scores}")
-            (serial_s if label == "serial" else parallel_s).append(dt)
-            print(f"rep {rep} {label:8s} {dt:6.2f} s")
-    parallel.close()
+    def med(label: str, key: str) -> float:
+        return statistics.median(m[key] for m in runs[label])
 
-    s_med, p_med = statistics.median(serial_s), statistics.median(parallel_s)
     result = {
         "programs": N_PROGRAMS,
-        "parallel_workers": args.workers,
-        "serial_seconds_median": round(s_med, 3),
-        "parallel_seconds_median": round(p_med, 3),
-        "speedup_ratio": round(s_med / p_med, 2),
+        "before_ref": args.before_ref,
         "repetitions": args.reps,
-        "serial_seconds": [round(x, 3) for x in serial_s],
-        "parallel_seconds": [round(x, 3) for x in parallel_s],
-        "mix": {"passing": expected.count(1.0), "failing": expected.count(0.0), "slow_0.2s": N_PROGRAMS // 8},
+        "pool_workers": runs["after"][0]["pool_workers"],
+        "before": {"serial_seconds_median": round(med("before", "serial"), 3),
+                   "pool_seconds_median": round(med("before", "pool"), 3),
+                   "serial_seconds": [round(m["serial"], 3) for m in runs["before"]],
+                   "pool_seconds": [round(m["pool"], 3) for m in runs["before"]],
+                   "sandbox_mode": runs["before"][0]["mode"]},
+        "after": {"serial_seconds_median": round(med("after", "serial"), 3),
+                  "pool_seconds_median": round(med("after", "pool"), 3),
+                  "serial_seconds": [round(m["serial"], 3) for m in runs["after"]],
+                  "pool_seconds": [round(m["pool"], 3) for m in runs["after"]],
+                  "sandbox_mode": runs["after"][0]["mode"]},
+        "ratio_after_over_before": {
+            "serial": round(med("after", "serial") / med("before", "serial"), 3),
+            "pool": round(med("after", "pool") / med("before", "pool"), 3),
+        },
+        "pool_speedup": {"before": round(med("before", "serial") / med("before", "pool"), 2),
+                         "after": round(med("after", "serial") / med("after", "pool"), 2)},
+        "mix": {"passing": 40, "failing": 24, "slow_0.2s": N_PROGRAMS // 8},
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
-        "containment": {k: caps[k] for k in ("uid_drop", "netns", "mountns", "pidns", "ipcns")},
-        "note": "shared 2-core machine, timings noisy; compare the ratio",
+        "note": "time ratio after/before (below 1: faster); shared machine, timings noisy, compare the ratios",
     }
+    if args.quick:
+        print(json.dumps(result, indent=2))
+        return result
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "code_reward.json").write_text(json.dumps(result, indent=2) + "\n")
+    r = result["ratio_after_over_before"]
     md = [
-        "# Code reward throughput (sandboxed `code_pass`)",
+        "# Code reward throughput: before vs after the judge/bubblewrap sandbox",
         "",
-        f"{N_PROGRAMS} programs ({result['mix']['passing']} passing, {result['mix']['failing']} failing, "
-        f"{result['mix']['slow_0.2s']} sleeping 0.2 s), {args.reps} interleaved repetitions, medians. "
-        f"Machine: {os.cpu_count()} CPU cores (shared). Containment: "
-        + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in result["containment"].items())
-        + ".",
+        f"{N_PROGRAMS} programs (40 passing, 24 failing or crashing, 8 sleeping 0.2 s) scored by "
+        "`CodeReward(\"all\")`, "
+        f"serially and through the default pool ({result['pool_workers']} workers), by the tree at "
+        f"`{args.before_ref}` (before) and the current one (after), alternating, {args.reps} repetitions, medians. "
+        f"{os.cpu_count()} CPU cores (shared).",
         "",
-        "| mode | workers | median seconds | programs / s |",
+        "| | before (s) | after (s) | after / before |",
         "|---|---|---|---|",
-        f"| serial | 1 | {s_med:.2f} | {N_PROGRAMS / s_med:.1f} |",
-        f"| parallel | {args.workers} | {p_med:.2f} | {N_PROGRAMS / p_med:.1f} |",
+        f"| serial | {result['before']['serial_seconds_median']:.2f} | {result['after']['serial_seconds_median']:.2f} "
+        f"| {r['serial']:.2f} |",
+        f"| pool | {result['before']['pool_seconds_median']:.2f} | {result['after']['pool_seconds_median']:.2f} "
+        f"| {r['pool']:.2f} |",
         "",
-        f"**Speed-up: {result['speedup_ratio']}x** (serial median / parallel median).",
+        f"Sandbox: before `{result['before']['sandbox_mode']}`, after `{result['after']['sandbox_mode']}`.",
         "",
     ]
     (args.out / "code_reward.md").write_text("\n".join(md))
-    print(json.dumps({k: result[k] for k in list(result)[:5]}))
+    print(json.dumps(result["ratio_after_over_before"]))
     return result
 
 

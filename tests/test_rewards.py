@@ -250,7 +250,7 @@ def test_code_rewards():
     # Conversational completion, and a test that loops forever is cut by the per-test timeout.
     slow = make_code_reward("fraction", test_timeout=0.3, timeout=5)
     out = _call(slow, [[{"role": "assistant", "content": good}]],
-                tests=[["assert add(1, 1) == 2", "while True: pass", "assert add(2, 2) == 4"]])
+                tests=[["assert add(1, 1) == 2", "assert next(x for x in iter(int, 1) if x) == 0", "assert add(2, 2) == 4"]])
     assert out == [pytest.approx(2 / 3)]
     assert pickle.loads(pickle.dumps(code_pass)).__name__ == "code_pass"
     # Under process isolation (a fork after the pool's threads exist) it must still work.

@@ -119,10 +119,11 @@ def nothing_leaks():
 
 
 def _score(code: str, **options) -> float:
-    """The code_pass score of ``code`` against a test that any well-behaved program passes."""
-    completion = f"```python\n{code}\n```"
+    """The code_pass score of ``code`` followed by a correct solution: 1 when the run goes on normally
+    after ``code``, 0 when what ``code`` did (crash, kill, timeout, ...) stops it."""
+    completion = f"```python\n{code}\n\ndef answer():\n    return 42\n```"
     reward = make_code_reward("all", **options) if options else code_pass
-    return reward(prompts=["p"], completions=[completion], tests=[["assert True"]])[0]
+    return reward(prompts=["p"], completions=[completion], tests=[["assert answer() == 42"]])[0]
 
 
 def _dedent(s: str) -> str:
@@ -246,9 +247,9 @@ def test_writing_outside_its_directory():
     assert _score(prog) == 0.0
     assert not _canaries()
     # The run's own working directory is gone afterwards.
+    before = set(os.listdir(sb._sandbox_base()))
     r = run_in_sandbox("import os\nopen('f', 'w').write('x')\nprint(os.getcwd())")
-    workdir = r.stdout.strip()
-    assert r.ok and workdir.startswith(str(sb._sandbox_base())) and not os.path.exists(workdir)
+    assert r.ok and set(os.listdir(sb._sandbox_base())) <= before
 
 
 def test_secrets_in_the_environment_are_not_visible(monkeypatch):
@@ -269,7 +270,7 @@ def test_secrets_in_the_environment_are_not_visible(monkeypatch):
     r = run_in_sandbox(prog, timeout=10)
     assert secret not in r.stdout and secret not in r.stderr
     assert "GRPO_FAKE_API_KEY" not in r.stdout
-    assert set(ast.literal_eval(r.stdout.splitlines()[0])) <= set(sb.SANDBOX_ENV) | {"HOME", "TMPDIR"}
+    assert set(ast.literal_eval(r.stdout.splitlines()[0])) <= set(sb.SANDBOX_ENV) | {"HOME", "TMPDIR", "PWD"}
     assert _score(prog) == 0.0
 
 
@@ -365,8 +366,8 @@ def test_background_child_does_not_survive():
 
 @needs_uid
 def test_cleanup_without_namespaces(monkeypatch):
-    """With the PID and mount namespaces unavailable, the dedicated uid still reaps a setsid daemon."""
-    monkeypatch.setattr(sb, "_caps", dict(CAPS, pidns=False, mountns=False, netns=False, tmpfs_dirs=[]))
+    """With no namespaces at all ("process" mode), the dedicated uid still reaps a setsid daemon."""
+    monkeypatch.setattr(sb, "_caps", dict(CAPS, mode="process", **sb._mode_flags("process", True)))
     prog = _dedent(
         """
         import os, sys, time
@@ -409,3 +410,412 @@ def test_capabilities_are_reported():
         assert key in caps
     if os.geteuid() == 0:
         assert caps["uid_drop"], caps["warnings"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Faked passes: a wrong solution plus a trick must score 0 under both code rewards (issue #18)
+# ---------------------------------------------------------------------------------------------
+WRONG = "def f(x):\n    return 0\n"  # the tests want f(3) == 6 and f(5) == 10
+HACKS = {
+    "always_true_eq": _dedent(
+        """
+        class Anything:
+            def __eq__(self, other):
+                return True
+            def __ne__(self, other):
+                return False
+            __hash__ = object.__hash__
+        class Int(int):
+            __eq__ = lambda self, other: True
+        def f(x):
+            return Anything() if x == 3 else Int(0)
+        """
+    ),
+    "noop_exec": WRONG
+    + "import builtins\nbuiltins.exec = lambda *a, **k: None\nbuiltins.eval = lambda *a, **k: True\n",
+    "patched_compile": WRONG + _dedent(
+        """
+        import builtins
+        _real = builtins.compile
+        def _compile(src, name, mode, *a, **k):
+            return _real("True" if mode == "eval" else "pass", name, mode)
+        builtins.compile = _compile
+        """
+    ),
+    "overwrite_harness_tests": WRONG + _dedent(
+        """
+        import __main__
+        for name in list(vars(__main__)):
+            value = getattr(__main__, name)
+            if isinstance(value, list) and name != "__builtins__":
+                value[:] = [["p", i, "True"] for i in range(4)]
+        __main__._TESTS = ["pass"]
+        """
+    ),
+    "forged_result_line": WRONG + _dedent(
+        """
+        import os, sys, json
+        frame, g = sys._getframe(), {}
+        while frame is not None:
+            g.update(frame.f_globals)
+            frame = frame.f_back
+        tag = g.get("_TAG") or ""
+        fd = g.get("_OUT", 1)
+        for i in range(8):
+            for v in (True, 6, 10):
+                os.write(fd, (tag + " " + json.dumps({"i": i, "v": v}) + "\\n").encode())
+        os.write(fd, (tag + ' {"program": "ok"}\\n').encode())
+        nonce = sys.stdin.readline().strip()
+        sys.stdout.write("\\n%s 2 2\\n" % nonce)
+        sys.stdout.flush()
+        os._exit(0)
+        """
+    ),
+    "wrapped_stdout_write": WRONG + _dedent(
+        """
+        import os, sys, re
+        _w, _sw = os.write, sys.stdout.write
+        def w(fd, data):
+            return _w(fd, re.sub(rb'"(v|e)": [^}]*', b'"v": true', bytes(data)))
+        os.write = w
+        sys.stdout.write = lambda s: _sw(re.sub(r" 0 (\\d+)$", r" \\1 \\1", s))
+        """
+    ),
+    "read_expected_from_harness": _dedent(
+        """
+        import gc, sys, re
+        def _candidates():
+            frame = sys._getframe()
+            while frame is not None:
+                yield from frame.f_globals.values()
+                frame = frame.f_back
+            yield from gc.get_objects()
+            try:
+                yield open("main.py").read()
+            except OSError:
+                pass
+        def f(x):
+            for obj in _candidates():
+                for s in (obj if isinstance(obj, (list, tuple)) else [obj]):
+                    if isinstance(s, str):
+                        m = re.search(r"f\\(%d\\)\\s*==\\s*(\\d+)" % x, s)
+                        if m:
+                            return int(m.group(1))
+                    if isinstance(s, (list, tuple)) and len(s) == 2 and s[0] == ("f(%d)" % x):
+                        return s[1]
+            return 0
+        """
+    ),
+}
+HACK_TESTS = ["assert f(3) == 6", "assert f(5) == 10"]
+
+
+@pytest.mark.parametrize("name", sorted(HACKS))
+def test_faked_pass_scores_zero(name):
+    code = HACKS[name]
+    reward_all = make_code_reward("all")
+    reward_frac = make_code_reward("fraction")
+    for completion in (f"```python\n{code}```", [{"role": "assistant", "content": f"```python\n{code}```"}]):
+        assert reward_all(prompts=["p"], completions=[completion], tests=[HACK_TESTS]) == [0.0], name
+        assert reward_frac(prompts=["p"], completions=[completion], tests=[HACK_TESTS]) == [0.0], name
+
+
+def test_expected_values_never_reach_the_program():
+    """The program searches everything it can see (its script, every string in memory, stdin, env, and,
+    where the host is hidden, the file a dataset with the gold answers would be in) for the secret
+    expected value and returns it; it finds it nowhere."""
+    secret = f"gold-{secrets.token_hex(8)}"
+    dataset = REPO / f".pytest_dataset_{TOKEN}.json"
+    dataset.write_text('{"tests": ["assert solve() == %r"]}' % secret)
+    # Without a hidden host (modes other than bwrap) a world-readable dataset file is readable: documented.
+    paths = [str(dataset)] if CAPS["host_hidden"] else []
+    try:
+        prog = _dedent(
+            f"""
+            import gc, os, re, sys
+            def solve():
+                pattern = re.compile("gold" + "-[0-9a-f]{{16}}")  # not spelled out in this source
+                seen = [open("main.py").read(), sys.stdin.read() if not sys.stdin.closed else "", str(os.environ)]
+                seen += [o for o in gc.get_objects() if isinstance(o, str)]
+                for path in {paths!r} + ["/proc/self/cmdline", "/proc/1/cmdline", "/proc/self/environ"]:
+                    try:
+                        seen.append(open(path, errors="replace").read())
+                    except OSError:
+                        pass
+                for s in seen:
+                    m = pattern.search(s)
+                    if m:
+                        return m.group(0)
+                return "nothing found"
+            """
+        )
+        assert "gold-" not in prog.replace('"gold" + "-', "")
+        tests = [[f"assert solve() == {secret!r}"]]
+        reward = make_code_reward("all")
+        assert reward(prompts=["p"], completions=[prog], tests=tests) == [0.0]
+        # Sanity: the same search does find a value that is really there (here, in its own source).
+        planted = prog.replace("def solve():", f"PLANTED = {secret!r}\ndef solve():")
+        assert reward(prompts=["p"], completions=[planted], tests=tests) == [1.0]
+        if CAPS["host_hidden"]:
+            r = run_in_sandbox(f"import os\nprint(os.path.exists({str(dataset)!r}), os.path.exists({str(REPO)!r}))")
+            assert r.stdout.split() == ["False", "False"], r
+    finally:
+        dataset.unlink()
+
+
+def test_correct_solution_scores_one_plain_and_chat():
+    sol = "def f(x):\n    return 2 * x\n\ndef pair(x):\n    return (x, [x] * 2)\n"
+    tests = [
+        "assert f(3) == 6",
+        "assert 10 == f(5)",
+        "assert pair(1) == (1, [1, 1])",
+        "assert f(2) in {4, 5}",
+        "assert f(0) is not None",
+        "assert math.isclose(f(0.1), 0.2, rel_tol=1e-9)",
+        "assert abs(f(0.25) - 0.5) < 1e-9",
+        "assert f(1) == [2][0] * 1",  # needs the reference run
+        "import math\nassert f(4) == int(math.sqrt(64))",
+        "assert not f(0)",
+        "assert f(1) and f(2) == 4",
+    ]
+    plain = f"Here you go:\n```python\n{sol}```\nDone."
+    chat = [{"role": "user", "content": "write f"}, {"role": "assistant", "content": f"```python\n{sol}```"}]
+    for reward in (make_code_reward("all"), make_code_reward("fraction")):
+        assert reward(prompts=["p", "p"], completions=[plain, chat], tests=[tests, tests]) == [1.0, 1.0]
+    wrong = "```python\ndef f(x):\n    return x + 1\n\ndef pair(x):\n    return [x, [x, x]]\n```"
+    frac = make_code_reward("fraction")(prompts=["p"], completions=[wrong], tests=[tests])[0]
+    assert 0.0 < frac < 1.0  # f(1) == 2 holds, f(3) == 6 does not; a list is not a tuple
+
+
+def test_stdin_stdout_cases():
+    sol = "```python\nimport sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n```"
+    wrong = "```python\nimport sys\na, b = map(int, sys.stdin.read().split())\nprint(a * b)\n```"
+    forge = "```python\nimport sys\nprint('5')\nsys.stdout.write = lambda s: None\n```"
+    cases = {"inputs": ["2 3\n", "10 20\n"], "outputs": ["5\n", "30"]}
+    items = [{"input": "2 3\n", "output": "5"}, {"input": "1 1", "output": "2\n\n"}]
+    reward = make_code_reward("fraction")
+    assert reward(prompts=["p"] * 3, completions=[sol, wrong, forge], tests=[cases] * 3) == [1.0, 0.0, 0.5]
+    assert make_code_reward("all")(prompts=["p"] * 2, completions=[sol, wrong], tests=[items] * 2) == [1.0, 0.0]
+
+
+def test_unsupported_test_form_is_a_clear_error():
+    from grpo_variants.errors import DatasetError
+
+    tests = [["assert all(f(i) == 2 * i for i in range(3))"]]
+    with pytest.raises(DatasetError, match="cannot judge"):
+        make_code_reward("all")(prompts=["p"], completions=["def f(x): return 2 * x"], tests=tests)
+    lenient = make_code_reward("all", on_unsupported="fail")
+    assert lenient(prompts=["p"], completions=["def f(x): return 2 * x"], tests=tests) == [0.0]
+
+
+def test_decoder_accepts_only_the_restricted_format():
+    from grpo_variants.rewards import judge
+
+    assert judge.decode_value({"t": [1, {"s": [2]}, {"d": [["k", {"b": "00ff"}]]}]}) == (1, {2}, {"k": b"\x00\xff"})
+    for bad in ({"py/object": "os.system"}, {"t": 1}, {"x": []}, {"d": [[[1], 2]]}):
+        with pytest.raises((ValueError, TypeError)):
+            judge.decode_value(bad)
+    tag = "grpo-judge-x"
+    deep = "[" * 80 + "1" + "]" * 80
+    out = f"{tag} {{\"program\": \"ok\"}}\n{tag} {{\"i\": 0, \"v\": 6}}\n{tag} {{\"i\": 0, \"v\": 7}}\n" \
+          f"{tag} {{\"i\": 1, \"v\": {deep}}}\nnoise\n{tag} not-json\n"
+    recs = judge.parse_records(out, tag, 2)
+    assert recs.program == "ok" and recs.values[0] == ("v", 6) and recs.values[1] == ("e", "undecodable")
+
+
+# ---------------------------------------------------------------------------------------------
+# The host filesystem, the footprint of a run, reaping
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not CAPS["ro_host"], reason=f"mode {CAPS['mode']!r}: the host is writable for the program")
+def test_deep_world_writable_directory_stays_untouched():
+    top = REPO / f".pytest_ww_{TOKEN}"
+    deep = top / "a" / "b" / "ww"
+    deep.mkdir(parents=True)
+    wfile = top / "a" / "ww_file"
+    wfile.write_text("original")
+    for p in (top, top / "a", top / "a" / "b", deep):
+        os.chmod(p, 0o777)
+    os.chmod(wfile, 0o666)
+    try:
+        prog = _dedent(
+            f"""
+            import os
+            wrote = []
+            for p in ({str(deep / CANARY)!r}, {str(wfile)!r}):
+                try:
+                    with open(p, "a") as f:
+                        f.write("pwned")
+                    wrote.append(p)
+                except OSError:
+                    pass
+            # every directory of the visible filesystem
+            for root, dirs, files in os.walk("/"):
+                if root.startswith(("/proc", "/sys")):
+                    dirs[:] = []
+                    continue
+                try:
+                    fd = os.open(os.path.join(root, {CANARY!r}), os.O_CREAT | os.O_WRONLY, 0o600)
+                    os.close(fd)
+                    os.unlink(os.path.join(root, {CANARY!r}))
+                    wrote.append(root)
+                except OSError:
+                    pass
+            print("WROTE", sorted(wrote))
+            """
+        )
+        r = run_in_sandbox(prog, timeout=60, cpu_time=60)
+        assert r.ok, r.stderr
+        writable = set(ast.literal_eval(r.stdout.split("WROTE", 1)[1].strip()))
+        assert not (deep / CANARY).exists() and wfile.read_text() == "original"
+        allowed = {"/tmp", "/dev/shm", "/sandbox", "/var/tmp"} if CAPS["mode"] == "bwrap" else None
+        if allowed is not None:
+            assert writable <= allowed | {d for d in writable if d.startswith(("/tmp/", "/sandbox/"))}, writable
+        else:  # "namespaces": only the run's own tmpfs (its directory and the /tmp-like binds)
+            assert all(d.startswith(str(sb._sandbox_base())) or d in ("/tmp", "/var/tmp", "/dev/shm")
+                       or d.startswith(("/tmp/", "/var/tmp/", "/dev/shm/")) for d in writable), writable
+    finally:
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_children_holding_memory_stay_under_the_total_limit():
+    prog = _dedent(
+        """
+        import os, sys, time
+        kids = []
+        for k in range(6):
+            pid = os.fork()
+            if pid == 0:
+                block = bytearray(150 << 20)
+                for i in range(0, len(block), 4096):
+                    block[i] = 1
+                os.write(1, b"held\\n")
+                time.sleep(5)
+                os._exit(0)
+            kids.append(pid)
+            time.sleep(0.2)
+        survived = 0
+        for pid in kids:
+            survived += os.waitpid(pid, 0)[1] == 0
+        print("survived", survived, flush=True)
+        """
+    )
+    r = run_in_sandbox(prog, memory_mb=400, total_memory_mb=400, timeout=20, max_processes=16)
+    # The six children overlap in time; at most two can hold 150 MB each at once within 400 MB, so
+    # either the run was ended, or at least four children were killed.
+    if "survived" in r.stdout:
+        assert int(r.stdout.split("survived")[1]) <= 400 // 150, r
+    else:
+        assert not r.ok, r
+    if CAPS["cgroup"]:
+        assert r.peak_memory_mb is not None and r.peak_memory_mb <= 400, r
+
+
+def test_polling_fallback_limits_total_memory(monkeypatch):
+    """Without a cgroup the trainer polls the run's resident memory and kills it above the total."""
+    monkeypatch.setattr(sb, "_caps", dict(CAPS, _cgroups=None))
+    prog = _dedent(
+        """
+        import os, time
+        for k in range(6):
+            if os.fork() == 0:
+                block = bytearray(150 << 20)
+                for i in range(0, len(block), 4096):
+                    block[i] = 1
+                time.sleep(10)
+                os._exit(0)
+            time.sleep(0.4)
+        time.sleep(10)
+        """
+    )
+    r = run_in_sandbox(prog, memory_mb=400, total_memory_mb=400, timeout=20, max_processes=16)
+    assert r.killed_reason == "memory" and r.duration < 10, r
+
+
+@pytest.mark.skipif(not CAPS["inode_cap"], reason="the inode cap of the tmpfs needs root")
+def test_tmpfs_inode_cap():
+    prog = _dedent(
+        """
+        import os
+        n = 0
+        for d in (".", "/tmp"):
+            try:
+                while n < 100000:
+                    open(os.path.join(d, "f%d" % n), "w").close()
+                    n += 1
+            except OSError as e:
+                print("stopped", d, n, e.errno, flush=True)
+        print("made", n)
+        """
+    )
+    r = run_in_sandbox(prog, max_files=500, timeout=20)
+    assert r.ok, r.stderr
+    assert int(r.stdout.split("made")[1]) < 500, r.stdout  # one tmpfs for the workdir and /tmp
+
+
+_REAPER_SCRIPT = r"""
+import ctypes, json, os, sys, time
+import importlib.util
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us, as to a PID 1
+# The sandbox module alone (stdlib only): no need to import torch and TRL with the package.
+spec = importlib.util.spec_from_file_location("sandbox_under_test", sys.argv[1])
+sb = sys.modules["sandbox_under_test"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sb)
+run_in_sandbox = sb.run_in_sandbox
+rs = [run_in_sandbox("import time\ntime.sleep(30)", timeout=0.5),
+      run_in_sandbox("import os\nif os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(30)\nprint(1)"),
+      run_in_sandbox("while True: pass", timeout=0.5)]
+time.sleep(0.3)
+zombies = []
+for e in os.listdir("/proc"):
+    if e.isdigit():
+        try:
+            st = open("/proc/%s/stat" % e).read()
+        except OSError:
+            continue
+        f = st[st.rindex(")") + 2:].split()
+        if int(f[1]) == os.getpid():
+            zombies.append((int(e), f[0]))
+print(json.dumps({"timed_out": [r.timed_out for r in rs], "children": zombies}))
+"""
+
+
+@pytest.mark.skipif(not CAPS["pidns"] and not CAPS["uid_drop"],
+                    reason="'process' mode without root: a setsid daemon escapes cleanup (documented)")
+def test_no_zombie_left_when_the_trainer_is_a_reaper():
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    module = REPO / "grpo_variants" / "rewards" / "sandbox.py"
+    out = subprocess.run([sys.executable, "-c", _REAPER_SCRIPT, str(module)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["timed_out"] == [True, False, True]
+    assert res["children"] == [], res  # neither zombies nor live children: every process was reaped
+
+
+def test_humaneval_check_function_and_nested_asserts():
+    from grpo_variants.rewards import judge
+
+    src = _dedent(
+        """
+        METADATA = {}
+        def check(candidate):
+            assert candidate(1, 2) == 3
+            assert candidate(0, 0) == 0, "zero"
+            for i in range(3):
+                assert candidate(i, i) == 2 * i
+        check(add)
+        """
+    )
+    units, cases = judge.parse_tests(src)
+    assert [(c.probe, c.op, c.expected) for u in units[:2] for c in u.checks] == [("add(1, 2)", "==", 3),
+                                                                                ("add(0, 0)", "==", 0)]
+    assert units[0].setup == ["METADATA = {}\n"] and units[2].unsupported and not cases
+    good = "```python\ndef add(a, b):\n    return a + b\n```"
+    reward = make_code_reward("fraction", on_unsupported="fail")
+    assert reward(prompts=["p"], completions=[good], tests=[src]) == [pytest.approx(2 / 3)]

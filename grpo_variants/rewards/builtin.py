@@ -17,13 +17,14 @@ Registered names: ``math_accuracy`` (+1/0), ``math_accuracy_pm1`` (+1/-1), ``for
 
 from __future__ import annotations
 
-import ast
+import dataclasses
+import json
 import logging
 import math
 import os
 import re
-import secrets
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from grpo_variants.errors import ConfigError, DatasetError, RewardFunctionError
@@ -33,6 +34,8 @@ from grpo_variants.rewards.math_verify_utils import (
     extract_gold_answer,
     gold_is_parsable,
 )
+from grpo_variants.rewards import judge
+from grpo_variants.rewards.judge import build_probe_program, new_tag, parse_tests
 from grpo_variants.rewards.registry import reward
 from grpo_variants.rewards.sandbox import SandboxPool, SandboxResult
 
@@ -399,120 +402,87 @@ def extract_code(text: str) -> str:
     return text or ""
 
 
-def _split_tests(tests: Any) -> list[str]:
-    """The test units: a list of statements as given; a string is split into top-level statements,
-    each ``assert`` being one unit with any preceding setup statements (imports, helpers) glued to it."""
-    if tests is None:
-        return []
-    if isinstance(tests, (list, tuple)):
-        return [str(t) for t in tests if t is not None and str(t).strip()]
-    text = str(tests)
-    if not text.strip():
-        return []
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return [text]
-    lines = text.splitlines(keepends=True)
-    units: list[str] = []
-    setup = ""
-    for node in tree.body:
-        seg = "".join(lines[node.lineno - 1 : node.end_lineno])
-        if isinstance(node, ast.Assert):
-            units.append(setup + seg)
-            setup = ""
-        else:
-            # Setup runs once, in order, in the shared namespace: attach it to the next assert.
-            setup += seg
-    if setup.strip():
-        if units:
-            units[-1] += setup
-        else:
-            units.append(setup)
-    return units or [text]
+def build_test_program(program: str, tests: Any, *, test_timeout: float = 5.0) -> tuple[str, str]:
+    """The sandbox script that runs ``program`` and then evaluates the probes of ``tests`` (assert-style);
+    returns ``(script, tag)``: the script prints each probe's *value* on a ``tag JSON`` line. The
+    expected values are not in it (see :mod:`grpo_variants.rewards.judge`)."""
+    units, _ = parse_tests(tests)
+    steps: list[tuple] = []
+    k = 0
+    for u in units:
+        steps += [("x", s) for s in u.setup]
+        for c in u.checks:
+            steps.append(("p", k, c.probe))
+            k += 1
+    tag = new_tag()
+    return build_probe_program(program, steps, tag=tag, test_timeout=test_timeout), tag
 
 
-_HARNESS = '''\
-import sys as _sys, signal as _signal, traceback as _tb
-_PROGRAM = {program!r}
-_TESTS = {tests!r}
-_ALL = {stop_at_first!r}
-_TEST_TIMEOUT = {test_timeout!r}
-class _TestTimeout(BaseException):
-    pass
-def _alarm(signum, frame):
-    raise _TestTimeout("test timed out")
-def _run():
-    ns = {{"__name__": "__solution__", "__builtins__": __builtins__}}
-    try:
-        exec(compile(_PROGRAM, "<program>", "exec"), ns)
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            return 0
-    except BaseException:
-        _tb.print_exc(limit=5)
-        return 0
-    passed = 0
-    for i, test in enumerate(_TESTS):
-        try:
-            _signal.signal(_signal.SIGALRM, _alarm)
-            _signal.setitimer(_signal.ITIMER_REAL, _TEST_TIMEOUT)
-            try:
-                exec(compile(test, "<test %d>" % i, "exec"), ns)
-            finally:
-                _signal.setitimer(_signal.ITIMER_REAL, 0)
-            passed += 1
-        except BaseException:
-            _tb.print_exc(limit=3)
-            if _ALL:
-                break
-    return passed
-def _main():
-    # The nonce comes through a pipe (drained here, so the program cannot re-read it) and stays a
-    # local of this frame (not a module global the program could import).
-    nonce = _sys.stdin.readline().strip()
-    out = _sys.stdout
-    passed = _run()
-    out.write("\\n%s %d %d\\n" % (nonce, passed, len(_TESTS)))
-    out.flush()
-_main()
-'''
+@dataclass
+class _Plan:
+    """How one sample is judged: its units and stdio cases, and where each value comes from."""
+
+    units: list
+    cases: list
+    probe_steps: list = field(default_factory=list)  # program run
+    ref_steps: list = field(default_factory=list)    # program-free reference run
+    # per unit, per check: (program-run index, program-run index of the other side or None,
+    #                       reference index or None, reference index of the other side or None)
+    where: list = field(default_factory=list)
+    ref_key: str | None = None
+    tag: str = ""
+    job: int | None = None
+    case_jobs: list = field(default_factory=list)
 
 
-def build_test_program(program: str, tests: Sequence[str], *, stop_at_first: bool, test_timeout: float = 5.0) -> str:
-    """The harness script: runs ``program`` then each test in one namespace, prints a result line.
-
-    The result line carries a per-run random nonce read from a stdin pipe (not in the script, the
-    argv or the environment; drained before the program runs; kept in a function local), so a
-    program that exits early with status 0 or prints a fake line scores nothing. Residual risk:
-    a program that deliberately walks the interpreter's frames or memory could still find the
-    nonce, and objects overriding ``__eq__`` to always be True can fool an ``assert ==``.
-    """
-    return _HARNESS.format(program=program, tests=list(tests), stop_at_first=stop_at_first,
-                           test_timeout=float(test_timeout))
-
-
-def _parse_result(res: SandboxResult, nonce: str) -> tuple[int, int] | None:
-    """(passed, total) from the harness's nonce line; None when the harness never got to print it."""
-    for line in reversed(res.stdout.splitlines()):
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == nonce:
-            try:
-                return int(parts[1]), int(parts[2])
-            except ValueError:
-                return None
-    return None
+def _plan(units, cases) -> _Plan:
+    plan = _Plan(units, cases)
+    k = r = 0
+    for u in units:
+        setup = [("x", s) for s in u.setup]
+        plan.probe_steps += setup
+        plan.ref_steps += setup
+        wh = []
+        if u.unsupported is None:
+            for c in u.checks:
+                p = k
+                plan.probe_steps.append(("p", k, c.probe))
+                k += 1
+                p2 = ri = ri2 = None
+                if c.ref is not None:
+                    plan.ref_steps.append(("p", r, c.ref))
+                    ri, r = r, r + 1
+                    if c.alt is not None:
+                        plan.probe_steps.append(("p", k, c.ref))
+                        p2, k = k, k + 1
+                        plan.ref_steps.append(("p", r, c.alt))
+                        ri2, r = r, r + 1
+                wh.append((p, p2, ri, ri2))
+        plan.where.append(wh)
+    if r:
+        plan.ref_key = json.dumps(plan.ref_steps)
+    return plan
 
 
 class CodeReward(_NamedReward):
-    """Runs the completion's program against the dataset's ``tests`` column in the sandbox.
+    """Runs the completion's program against the dataset's ``tests`` column in the sandbox, and judges
+    the values it sends back *outside* it.
 
     The program is the last ```python block (else any fenced block, else the whole text). ``tests``
-    is a list of assert statements or a string of test code. ``mode="all"``: 1.0 when every test
-    passes, else 0.0; ``mode="fraction"``: the fraction of tests that pass. A sample without tests
-    scores None. Programs run in parallel in a :class:`SandboxPool`; ``sandbox_options`` go to
-    :func:`run_in_sandbox` (timeout, memory_mb, ...). ``test_timeout`` bounds each test (SIGALRM
-    inside the harness); the run's wall ``timeout`` bounds the whole program.
+    holds assert statements (a list, or one string of test code with setup lines) and/or stdin/stdout
+    cases (``{"input", "output"}`` items, or ``{"inputs": [...], "outputs": [...]}``); the supported
+    forms are listed in :mod:`grpo_variants.rewards.judge`. For assert tests the sandbox evaluates only
+    the side of each assert that needs the program and sends its *value* back in a restricted JSON
+    format; this process holds the expected side (a literal, or the value of a program-free reference
+    run) and compares. For stdin/stdout cases the program runs once per case and this process compares
+    its stdout. So a patched builtin, ``__main__``, ``sys.stdout`` or a forged output line decides
+    nothing, and the program never sees an expected value.
+
+    ``mode="all"``: 1.0 when every test passes, else 0.0; ``mode="fraction"``: the fraction that
+    pass. A sample without tests scores None. ``on_unsupported``: ``"error"`` (a DatasetError naming
+    the test) or ``"fail"`` (the test counts as failed; warned once). Programs run in parallel in a
+    :class:`SandboxPool`; ``sandbox_options`` go to :func:`run_in_sandbox` (timeout, memory_mb, ...).
+    ``test_timeout`` bounds each probe (SIGALRM); the run's wall ``timeout`` bounds the whole run.
     """
 
     def __init__(
@@ -522,21 +492,27 @@ class CodeReward(_NamedReward):
         tests_column: str = "tests",
         max_workers: int | None = None,
         test_timeout: float = 5.0,
+        on_unsupported: str = "error",
         name: str | None = None,
         **sandbox_options,
     ):
         if mode not in ("all", "fraction"):
             raise ConfigError(f"make_code_reward: mode must be 'all' or 'fraction', got {mode!r}.")
+        if on_unsupported not in ("error", "fail"):
+            raise ConfigError(f"make_code_reward: on_unsupported must be 'error' or 'fail', got {on_unsupported!r}.")
         self.mode = mode
         self.tests_column = tests_column
         self.max_workers = max_workers
         self.test_timeout = float(test_timeout)
+        self.on_unsupported = on_unsupported
         self.sandbox_options = dict(sandbox_options)
         self.sandbox_options.setdefault("timeout", 10.0)
         self.sandbox_options.setdefault("cpu_time", 10)
+        self.sandbox_options.setdefault("max_output_bytes", 1_000_000)
         self.__name__ = name or ("code_pass" if mode == "all" else "code_pass_fraction")
         self._pool: SandboxPool | None = None
         self._lock = threading.Lock()
+        self._ref_cache: dict[str, Any] = {}
         self.last_results: list[SandboxResult | None] = []
 
     def _params(self) -> dict:
@@ -546,6 +522,7 @@ class CodeReward(_NamedReward):
         state = dict(self.__dict__)
         state["_pool"] = None
         state["_lock"] = None
+        state["_ref_cache"] = {}
         state["last_results"] = []
         return state
 
@@ -562,35 +539,108 @@ class CodeReward(_NamedReward):
                 self._pool = SandboxPool(self.max_workers, **self.sandbox_options)
             return self._pool
 
+    def _check_supported(self, i: int, units) -> None:
+        for u in units:
+            if u.unsupported is None:
+                continue
+            msg = (f"Reward '{self.__name__}': sample {i} has a test it cannot judge outside the program "
+                   f"({u.unsupported}): {u.source[:200]!r}. Supported: assert P == E (and !=, <, <=, >, >=, "
+                   f"in, not in), assert P is None/True/False, assert math.isclose(P, E), assert abs(P - E) < tol, "
+                   f"assert f(literals) / not f(literals), and stdin/stdout cases; see grpo_variants.rewards.judge.")
+            if self.on_unsupported == "error":
+                raise DatasetError(msg + " Rewrite the test, or pass on_unsupported='fail' to count it failed.")
+            judge.warn_once(u.source, "%s It counts as failed.", msg)
+
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
         completions = list(completions or [])
         tests_col = _column(kwargs, self.tests_column, len(completions), self.__name__)
-        scripts, stdins, nonces, idx = [], [], [], []
-        out: list[float | None] = [None] * len(completions)
+        codes: list[str] = []
+        stdins: list[str | None] = []
+        plans: list[_Plan | None] = [None] * len(completions)
+        ref_jobs: dict[str, tuple[int, str]] = {}  # ref key -> (job index, tag), this batch
         for i, (c, tests) in enumerate(zip(completions, tests_col)):
-            units = _split_tests(tests)
-            if not units:
+            units, cases = parse_tests(tests)
+            if not units and not cases:
                 logger.warning("Reward '%s': sample %d has no tests; it scores None.", self.__name__, i)
                 continue
-            nonce = secrets.token_hex(16)
+            self._check_supported(i, units)
             program = extract_code(completion_text(c))
-            scripts.append(build_test_program(program, units, stop_at_first=self.mode == "all",
-                                              test_timeout=self.test_timeout))
-            stdins.append(nonce + "\n")
-            nonces.append(nonce)
-            idx.append(i)
-        results = self.pool.run_many(scripts, stdins=stdins) if scripts else []
+            plan = _plan(units, cases)
+            if units:
+                plan.tag = judge.new_tag()
+                plan.job = len(codes)
+                codes.append(build_probe_program(program, plan.probe_steps, tag=plan.tag,
+                                                 test_timeout=self.test_timeout))
+                stdins.append(None)
+            if plan.ref_key is not None and plan.ref_key not in self._ref_cache and plan.ref_key not in ref_jobs:
+                tag = judge.new_tag()
+                ref_jobs[plan.ref_key] = (len(codes), tag)
+                codes.append(build_probe_program("", plan.ref_steps, tag=tag, test_timeout=self.test_timeout))
+                stdins.append(None)
+            for case in cases:
+                plan.case_jobs.append(len(codes))
+                codes.append(program)
+                stdins.append(case.input)
+            plans[i] = plan
+        results = self.pool.run_many(codes, stdins=stdins) if codes else []
+        for key, (j, tag) in ref_jobs.items():
+            if len(self._ref_cache) >= 4096:
+                self._ref_cache.clear()
+            n = sum(1 for s in json.loads(key) if s[0] == "p")
+            self._ref_cache[key] = judge.parse_records(results[j].stdout, tag, n)
         self.last_results = [None] * len(completions)
-        for i, res, nonce in zip(idx, results, nonces):
-            self.last_results[i] = res
-            parsed = _parse_result(res, nonce)
-            if parsed is None or parsed[1] == 0:
-                out[i] = 0.0
-            elif self.mode == "all":
-                out[i] = 1.0 if parsed[0] == parsed[1] else 0.0
+        out: list[float | None] = [None] * len(completions)
+        for i, plan in enumerate(plans):
+            if plan is None:
+                continue
+            passed = total = 0
+            if plan.units:
+                res = results[plan.job]
+                self.last_results[i] = res
+                recs = judge.parse_records(res.stdout, plan.tag, len(plan.probe_steps))
+                refs = self._ref_cache.get(plan.ref_key) if plan.ref_key is not None else None
+                for unit, wh in zip(plan.units, plan.where):
+                    total += 1
+                    passed += int(recs.program in ("ok",) and self._unit_passes(unit, wh, recs, refs))
+            for case, j in zip(plan.cases, plan.case_jobs):
+                total += 1
+                res = results[j]
+                if self.last_results[i] is None:
+                    self.last_results[i] = res
+                passed += int(res.ok and judge.stdout_matches(res.stdout, case.output))
+            if self.mode == "all":
+                out[i] = 1.0 if total and passed == total else 0.0
             else:
-                out[i] = parsed[0] / parsed[1]
+                out[i] = passed / total if total else 0.0
         return out
+
+    @staticmethod
+    def _unit_passes(unit, where, recs, refs) -> bool:
+        if unit.unsupported is not None or not unit.checks:
+            return False
+        for check, (p, p2, ri, ri2) in zip(unit.checks, where):
+            if check.op == "const":
+                if not check.expected:
+                    return False
+                continue
+            got, expected, cmp = recs.values.get(p), check.expected, check
+            if ri is not None:
+                ref = refs.values.get(ri) if refs is not None else None
+                alt = refs.values.get(ri2) if (refs is not None and ri2 is not None) else None
+                if ref is not None and ref[0] == "v":
+                    expected = ref[1]  # the right side needs no program: it is the expected side
+                elif alt is not None and alt[0] == "v" and p2 is not None:
+                    # The left side needs no program: judge ``E op P`` with P the right side.
+                    got, expected = recs.values.get(p2), alt[1]
+                    if check.op in ("in", "not in"):
+                        cmp = dataclasses.replace(check, reverse=True)
+                    else:
+                        cmp = dataclasses.replace(check, op=judge._FLIP.get(check.op, check.op))
+                else:
+                    return False  # neither side could be evaluated without the program
+            if not judge.check_passes(cmp, got, expected):
+                return False
+        return True
 
     def close(self) -> None:
         if self._pool is not None:

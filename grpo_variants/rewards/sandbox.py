@@ -2,57 +2,93 @@
 
 Public API::
 
-    run_in_sandbox(code, *, timeout=5.0, cpu_time=5, memory_mb=512, max_processes=32,
-                   max_output_bytes=64_000, stdin=None, ...) -> SandboxResult
+    run_in_sandbox(code, *, timeout=5.0, cpu_time=5, memory_mb=512, total_memory_mb=None,
+                   max_processes=32, max_output_bytes=64_000, stdin=None, ...) -> SandboxResult
     SandboxPool(max_workers=None, **run_options).run_many(codes, stdins=None) -> list[SandboxResult]
-    sandbox_capabilities() -> dict   # which containment mechanisms work on this machine
+    sandbox_capabilities() -> dict   # which containment this machine gives (probed once, warned once)
 
-How a run is contained (each layer is detected once per process by a probe child; a layer that
-does not work here is skipped with one logged warning, never silently):
+This module only *runs* programs; it decides nothing about a score. Code rewards judge the values a
+run sends back outside the program's reach (see :mod:`grpo_variants.rewards.judge`).
 
-* **Process**: the program runs under a small launcher (``python -I -S -c``) started in a new
-  session (``start_new_session``) with a scrubbed, minimal environment (no parent variables, so
-  no secrets). The parent reads stdout/stderr through a cap (``max_output_bytes``, the run is
-  killed when a stream exceeds it), kills the whole process group with SIGKILL at the wall-clock
-  ``timeout``, and scans ``/proc`` afterwards for stragglers (see *cleanup*).
-* **Limits** (``setrlimit`` in the launcher before ``exec``): RLIMIT_CPU (``cpu_time`` s),
-  RLIMIT_AS (``memory_mb``), RLIMIT_FSIZE (``max_file_mb``), RLIMIT_NPROC (``max_processes``
-  tasks, threads included), RLIMIT_CORE = 0, RLIMIT_NOFILE.
-* **Unprivileged uid** (when the parent runs as root; RLIMIT_NPROC does not bind root): each run
-  takes a *dedicated* uid/gid from a range (default 61000-61255, ``GRPO_SANDBOX_UID_BASE`` /
-  ``GRPO_SANDBOX_UID_SLOTS``; uids listed in /etc/passwd are skipped), held with an ``flock`` so
-  that concurrent runs, in this process or others, never share one. So NPROC bounds a fork bomb
-  per run, the program cannot signal the trainer (EPERM), cannot read or write the trainer's
-  files beyond world-readable ones, and every process of that uid belongs to this run: cleanup
-  kills them all, even a daemon that called ``setsid`` again. ``PR_SET_NO_NEW_PRIVS`` blocks
-  set-uid binaries.
-* **Namespaces** (root only here; ``unshare`` via ctypes): a new *network* namespace (only a
-  loopback that is down: every connection fails), a new *mount* namespace in which the
-  world-writable directories (/tmp, /var/tmp, /dev/shm, /run/lock, ...) are replaced by small
-  private tmpfs (found by a scan two levels deep) and the working directory is a size-capped
-  tmpfs (so the program leaves no file on the host, given the uid drop, and disk use is bounded),
-  and a new *PID* namespace with a tiny init
-  (the launcher's child) whose exit makes the kernel kill every process left in it, and a fresh
-  /proc that shows only the sandbox's processes; and a new *IPC* namespace (SysV shared memory
-  and semaphores die with the run instead of piling up on the host).
-* **Working directory**: a fresh directory under a private base (``GRPO_SANDBOX_DIR``, default
-  ``$TMPDIR/grpo_variants_sandbox_<uid>``, owned by the parent, mode 0711) is created per run
-  and removed afterwards; the program's ``HOME`` and ``TMPDIR`` point into it. ``stdin`` is fed
-  through a pipe (the program cannot seek back and re-read it).
+How a run is contained
+======================
+A run is a chain of processes, each exec'ing the next::
 
-The interpreter is the first of ``sys.executable``, its real path, ``python3`` on PATH and
-/usr/bin/python3 that the sandbox uid can execute (a venv under a 0700 home is not), or
-``python=``; ``sandbox_capabilities()["python"]`` says which.
+    trainer --Popen--> stub (python -I -S, as the trainer's user)  --exec-->  bwrap  -->  python main.py
 
-Residual risks (documented, not solved): without the mount namespace the program can create files
-in world-writable directories (/tmp) as its uid; files readable by everyone (the repository, the
-venv) are readable; without a dedicated uid (non-root parent) cleanup relies on the session id,
-which a double fork plus ``setsid`` escapes; CPU-time and memory limits are per process (NPROC
-bounds the number of processes); the kernel itself is the trust boundary (no seccomp filter).
+The **stub** (``_STUB``, ~80 lines) does only what bubblewrap cannot: it joins the run's cgroup, sets
+the rlimits, and (as root) mounts the run's inode-capped tmpfs in a private mount namespace, then drops
+to the run's dedicated uid and execs **bubblewrap** (Debian package ``bubblewrap``, the sandbox under
+Flatpak), which builds the namespaces and the minimal root:
+
+* ``--unshare-all --unshare-user --disable-userns``: new user, mount, PID, network (only a loopback
+  that is down), IPC, UTS and cgroup namespaces; no nested user namespaces.
+* A **minimal root**: ``/usr`` and the ``/bin``, ``/lib*`` links read-only, ``/etc/ld.so.cache`` and
+  ``/etc/localtime``, the interpreter's prefix (when outside ``/usr``) and any ``ro_paths``; a fresh
+  ``/proc`` (only the run's processes) and a minimal ``/dev``. Nothing else of the host exists inside:
+  no home, no project, no datasets, no ``/tmp``. The root and ``/dev`` are remounted read-only; the
+  only writable places are the working directory ``/sandbox`` and ``/tmp`` = ``/dev/shm`` (one tmpfs).
+* ``--die-with-parent`` (the run dies with the trainer), ``--new-session`` (no TIOCSTI on the
+  trainer's terminal), ``--cap-drop ALL``; bubblewrap's PID 1 reaps every orphan inside and its exit
+  kills everything left in the namespace.
+
+Around it, from the trainer's side:
+
+* **Dedicated uid** (trainer is root): each run takes its own uid/gid from a range (default
+  61000-61255, ``GRPO_SANDBOX_UID_BASE`` / ``GRPO_SANDBOX_UID_SLOTS``; uids in /etc/passwd are
+  skipped), held with an ``flock`` so that concurrent runs never share one: RLIMIT_NPROC binds per
+  run, the program cannot signal the trainer, and every process of that uid belongs to the run.
+* **Total memory and process count** (``total_memory_mb``, default ``memory_mb``; ``max_processes``):
+  one cgroup per run, cgroup v2 (``memory.max``, ``memory.swap.max = 0``, ``pids.max``) where the
+  trainer can create one with both controllers, else cgroup v1 (``memory``; ``pids`` too
+  when there is no dedicated uid: with one, RLIMIT_NPROC already bounds exactly the run's processes,
+  and each v1 hierarchy joined costs a migration).
+  Every process of the run is in it from its start (the stub joins before anything forks); the
+  kernel's OOM killer ends the run at the limit (``killed_reason="memory"``), tmpfs pages included.
+  *Fallback* without a usable cgroup: the trainer sums the resident memory of the run's processes
+  every 50 ms and kills the run above the limit (a fast allocator can overshoot between two polls,
+  by at most RLIMIT_AS per process), and RLIMIT_NPROC bounds the processes (per uid: only with a
+  dedicated uid).
+* **rlimits** (set by the stub): RLIMIT_CPU (``cpu_time`` s per process), RLIMIT_AS (``memory_mb``
+  per process), RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE, RLIMIT_CORE = 0.
+* **tmpfs caps**: the working tmpfs has ``size=workdir_mb`` and ``nr_inodes=max_files`` (mounted by
+  the stub, root only: bubblewrap's ``--tmpfs`` takes a size but no inode cap).
+* **Output**: stdout and stderr are read through a cap (``max_output_bytes``; the run is killed when
+  a stream exceeds it); the environment is :data:`SANDBOX_ENV` only (no secrets); stdin is a pipe.
+* **Cleanup and reaping**: at exit, timeout or overflow the trainer kills the namespace's PID 1
+  (through a pidfd, so a recycled pid is never hit; the kernel then kills the whole namespace), the
+  run's cgroup, its session and every process of its uid; it reaps the stub, and when it is itself a
+  reaper (PID 1 of a container, or a child subreaper) it also reaps the namespace's init that the
+  kernel reparents to it. No zombie is left, whatever the trainer's PID.
+
+Why bubblewrap rather than our own namespace code: it is small, audited, and maintained for exactly
+this job (Flatpak's sandbox), handles the ordering subtleties of user/mount/PID namespaces
+(pivot_root, propagation, ``/proc`` and ``/dev`` set-up, a reaping PID 1, die-with-parent) that the
+~880 lines of hand-written ``unshare``/``mount`` code used to get partly right (it left the host's
+deeper world-writable directories writable and the whole host readable, and leaked its init as a
+zombie). The stub keeps the four things bubblewrap does not do: cgroups, rlimits, the uid drop, and
+the inode cap of the tmpfs.
+
+Fallbacks (``sandbox_capabilities()["mode"]``, warned once, never silent):
+
+* ``"bwrap"``: as above. ``make setup`` installs bubblewrap with apt when run as root.
+* ``"namespaces"`` (root, bubblewrap missing or not working): the stub itself makes a private mount
+  namespace, makes the *whole* host mount tree read-only (``mount_setattr(AT_RECURSIVE)``), mounts
+  the capped tmpfs as working directory and ``/tmp`` / ``/var/tmp`` / ``/dev/shm``, and unshares the
+  network and IPC namespaces. The host stays unwritable, but its world-readable files are readable,
+  and there is no PID namespace (cleanup goes by uid).
+* ``"process"`` (no root and no working bubblewrap, e.g. user namespaces disabled): rlimits, a new
+  session, scrubbed environment and output caps only. The program can read and write what the
+  trainer's user can (its working directory is a fresh private directory); cleanup goes by session,
+  which a double fork plus ``setsid`` escapes. Install bubblewrap, or run as root.
+
+Residual risks: the kernel is the trust boundary (no seccomp filter); CPU time is limited per
+process; without a cgroup the memory total is enforced by polling.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -66,6 +102,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,10 +129,11 @@ SANDBOX_ENV = {
     "MKL_NUM_THREADS": "1",
 }
 
-# World-writable directories hidden behind private tmpfs mounts in the mount namespace.
-_WORLD_WRITABLE_CANDIDATES = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue")
-
-_LAUNCHER_EXIT = 125  # the launcher failed to set the sandbox up (never the program's own code)
+_INSIDE_WORKDIR = "/sandbox"  # the working directory's path inside bubblewrap
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+_HOST_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # hidden behind the run's tmpfs ("namespaces" mode)
+_LAUNCHER_EXIT = 125  # the stub failed to set the sandbox up (never the program's own code)
 _LAUNCHER_TAG = "[grpo-sandbox]"
 
 
@@ -106,6 +144,7 @@ class SandboxResult:
     ``returncode`` is the program's exit status (negative: killed by that signal; None: never
     started). ``killed_reason`` is None for a normal exit, else one of ``"timeout"`` (wall clock),
     ``"cpu_time"``, ``"memory"``, ``"output_limit"``, ``"sandbox_error"``, ``"signal:SIGNAME"``.
+    ``peak_memory_mb`` is the run's peak total memory when a cgroup measured it, else None.
     """
 
     returncode: int | None
@@ -115,6 +154,7 @@ class SandboxResult:
     killed_reason: str | None
     duration: float
     output_truncated: bool = False
+    peak_memory_mb: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -123,44 +163,75 @@ class SandboxResult:
 
 
 # --------------------------------------------------------------------------------------------
-# The launcher: runs as the parent's user (root here) in a fresh interpreter, sets up the
-# containment, drops privileges and execs the program. Kept free of imports beyond the stdlib
-# core so that it starts fast with ``python -I -S``.
+# The stub: runs as the trainer's user in a fresh ``python -I -S``, does what bubblewrap cannot
+# (cgroup, rlimits, inode-capped tmpfs, uid drop) and execs the next stage.
 # --------------------------------------------------------------------------------------------
-_LAUNCHER = r"""
+_STUB = r"""
 import os, sys, json, ctypes, resource, signal
 cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x40000000, 0x08000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-TAG = "[grpo-sandbox]"
+libc.syscall.restype = ctypes.c_long
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
 def die(stage, detail):
-    os.write(2, ("%s %s failed: %s\n" % (TAG, stage, detail)).encode())
+    os.write(2, ("[grpo-sandbox] %s failed: %s\n" % (stage, detail)).encode())
     os._exit(125)
-
-def errstr():
-    return os.strerror(ctypes.get_errno())
-
-def enc(s):
-    return None if s is None else s.encode()
-
-def mount(src, tgt, fstype, flags, data=None):
-    if libc.mount(enc(src), enc(tgt), enc(fstype), flags, enc(data)) != 0:
-        return errstr()
-    return None
-
-def unshare(flags):
-    return None if libc.unshare(flags) == 0 else errstr()
-
-def drop_privileges(uid, gid):
+def check(rc, stage):
+    if rc != 0:
+        die(stage, os.strerror(ctypes.get_errno()))
+for path in cfg["cgroup_procs"]:
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+    except OSError as e:
+        die("joining cgroup " + path, e)
+wd, uid = cfg["workdir"], cfg["uid"]
+if cfg["mount"]:
+    fd = os.open(os.path.join(wd, "main.py"), os.O_RDONLY | os.O_NOFOLLOW)
+    script = b""
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            break
+        script += chunk
+    os.close(fd)
+    check(libc.unshare(0x00020000 | cfg["unshare_extra"]), "unshare")
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making / private")
+    if cfg["ro_host"]:
+        # struct mount_attr {attr_set = RDONLY|NOSUID, attr_clr, propagation, userns_fd} (devices stay
+        # usable: /dev/null; the uid's permissions keep it from the others)
+        attr = (ctypes.c_uint64 * 4)(1 | 2, 0, 0, 0)
+        check(libc.syscall(442, -100, b"/", 0x8000, ctypes.byref(attr), ctypes.sizeof(attr)),
+              "mount_setattr(read-only, recursive)")
+    opts = "size=%dm,nr_inodes=%d,mode=0700" % (cfg["workdir_mb"], cfg["max_files"])
+    if uid is not None:
+        opts += ",uid=%d,gid=%d" % (uid, uid)
+    check(libc.mount(b"tmpfs", wd.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()), "tmpfs on the workdir")
+    for name, data, mode in (("main.py", script, 0o600), ("tmp", None, 0o1777)):
+        p = os.path.join(wd, name)
+        if data is None:
+            os.mkdir(p, mode)
+            os.chmod(p, mode)
+        else:
+            with open(p, "wb") as f:
+                f.write(data)
+        if uid is not None:
+            os.chown(p, uid, uid)
+    if cfg["bind_tmp"]:
+        # The whole tmpfs becomes /tmp (and /var/tmp, /dev/shm): the workdir may lie under /tmp, so bind
+        # it through a descriptor opened before its path is shadowed.
+        src = ("/proc/self/fd/%d" % os.open(wd, os.O_PATH | os.O_DIRECTORY)).encode()
+        for d in cfg["bind_tmp"]:
+            check(libc.mount(src, d.encode(), None, MS_BIND, None), "bind on " + d)
+for name, soft, hard in cfg["rlimits"]:
+    resource.setrlimit(getattr(resource, name), (soft, hard))
+if uid is not None:
     os.setgroups([])
-    os.setgid(gid)
+    os.setgid(uid)
     os.setuid(uid)
     try:
         os.setuid(0)
@@ -168,156 +239,19 @@ def drop_privileges(uid, gid):
         pass
     else:
         die("privilege drop", "setuid(0) still works")
-    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-
-def set_limits():
-    for name, soft, hard in cfg["rlimits"]:
-        resource.setrlimit(getattr(resource, name), (soft, hard))
-
-def trial(fn):
-    pid = os.fork()
-    if pid == 0:
-        try:
-            ok = fn()
-        except BaseException:
-            ok = False
-        os._exit(0 if ok else 1)
-    _, st = os.waitpid(pid, 0)
-    return os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
-
-if cfg.get("probe"):
-    res = {}
-    res["netns"] = trial(lambda: unshare(CLONE_NEWNET) is None)
-    res["ipcns"] = trial(lambda: unshare(CLONE_NEWIPC) is None)
-    def mount_trial():
-        if unshare(CLONE_NEWNS) is not None:
-            return False
-        if mount(None, "/", None, MS_REC | MS_PRIVATE) is not None:
-            return False
-        return mount("tmpfs", cfg["probe_dir"], "tmpfs", MS_NOSUID | MS_NODEV, "size=1m") is None
-    res["mountns"] = trial(mount_trial)
-    def pid_trial():
-        if unshare(CLONE_NEWPID | CLONE_NEWNS) is not None:
-            return False
-        pid = os.fork()
-        if pid == 0:
-            ok = os.getpid() == 1
-            ok = ok and mount(None, "/", None, MS_REC | MS_PRIVATE) is None
-            ok = ok and mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC) is None
-            os._exit(0 if ok else 1)
-        _, st = os.waitpid(pid, 0)
-        return os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
-    res["pidns"] = trial(pid_trial)
-    def uid_trial():
-        drop_privileges(cfg["uid"], cfg["gid"])
-        return os.getuid() == cfg["uid"]
-    res["uid_drop"] = cfg["uid"] is not None and trial(uid_trial)
-    def python_trial(python):
-        def run():
-            if res["uid_drop"]:
-                drop_privileges(cfg["uid"], cfg["gid"])
-            os.chdir("/")
-            fd = os.open(os.devnull, os.O_RDWR)
-            os.dup2(fd, 1); os.dup2(fd, 2)
-            os.execve(python, [python, "-I", "-c", "import sys"], cfg["env"])
-        return trial(run)
-    res["python"] = next((p for p in cfg["pythons"] if python_trial(p)), None)
-    sys.stdout.write(json.dumps(res))
-    sys.stdout.flush()
-    os._exit(0)
-
-wd = cfg["workdir"]
-fd = os.open(os.path.join(wd, "main.py"), os.O_RDONLY | os.O_NOFOLLOW)
-with os.fdopen(fd, "rb") as f:
-    script = f.read()
-flags = (CLONE_NEWNET if cfg["netns"] else 0) | (CLONE_NEWNS if cfg["mountns"] else 0)
-flags |= (CLONE_NEWPID if cfg["pidns"] else 0) | (CLONE_NEWIPC if cfg["ipcns"] else 0)
-if flags:
-    e = unshare(flags)
-    if e:
-        die("unshare", e)
-
-status_w = None
-if cfg["pidns"]:
-    r, status_w = os.pipe()
-    init_pid = os.fork()
-    if init_pid:
-        # The launcher (outside the PID namespace): relay the program's exit status, read from
-        # the init's status pipe, as our own so that the parent sees it unchanged.
-        os.close(status_w)
-        data = b""
-        while True:
-            chunk = os.read(r, 64)
-            if not chunk:
-                break
-            data += chunk
-        _, st = os.waitpid(init_pid, 0)
-        if data.strip():
-            st = int(data)
-        if os.WIFSIGNALED(st):
-            sig = os.WTERMSIG(st)
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except (OSError, ValueError):
-                pass  # SIGKILL/SIGSTOP: always default
-            os.kill(os.getpid(), sig)
-            os._exit(128 + sig)
-        os._exit(os.WEXITSTATUS(st) if os.WIFEXITED(st) else 125)
-    os.close(r)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-uid, gid = cfg["uid"], cfg["gid"]
-if cfg["mountns"]:
-    e = mount(None, "/", None, MS_REC | MS_PRIVATE)
-    if e:
-        die("making / private", e)
-    for d in cfg["tmpfs_dirs"]:
-        e = mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=%dm,mode=1777" % cfg["tmpfs_mb"])
-        if e:
-            die("tmpfs on " + d, e)
-    os.makedirs(wd, 0o755, exist_ok=True)
-    opts = "size=%dm,mode=0700" % cfg["workdir_mb"]
-    if uid is not None:
-        opts += ",uid=%d,gid=%d" % (uid, gid)
-    e = mount("tmpfs", wd, "tmpfs", MS_NOSUID | MS_NODEV, opts)
-    if e:
-        die("tmpfs on the working directory", e)
-    with open(os.path.join(wd, "main.py"), "wb") as f:
-        f.write(script)
-    if uid is not None:
-        os.chown(os.path.join(wd, "main.py"), uid, gid)
-    if cfg["pidns"]:
-        e = mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        if e:
-            die("mounting /proc", e)
-os.chdir(wd)
-set_limits()
-if uid is not None:
-    drop_privileges(uid, gid)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a credential change cleared it
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # a credential change clears PDEATHSIG
+libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
 os.umask(0o077)
-argv = [cfg["python"], "-I", "-B", "-X", "utf8", "main.py"]
-if status_w is None:
-    os.execve(argv[0], argv, cfg["env"])
-# PID 1 of the namespace: start the program, reap orphans until it exits, report its status.
-prog = os.fork()
-if prog == 0:
-    os.execve(argv[0], argv, cfg["env"])
-while True:
-    try:
-        p, st = os.wait()
-    except ChildProcessError:
-        st = 125 << 8
-        break
-    if p == prog:
-        break
-os.write(status_w, str(st).encode())
-os._exit(0)
+os.chdir(cfg["cwd"])
+try:
+    os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+except OSError as e:
+    die("exec " + cfg["argv"][0], e)
 """
 
 
 # --------------------------------------------------------------------------------------------
-# Capabilities probe, base directory, uid slots
+# Capabilities, base directory, uid slots
 # --------------------------------------------------------------------------------------------
 _caps_lock = threading.Lock()
 _caps: dict | None = None
@@ -329,7 +263,7 @@ def _is_root() -> bool:
 
 
 def _sandbox_base() -> Path:
-    """A root-owned (mode 0711) directory holding run directories and uid lock files."""
+    """A trainer-owned (mode 0711) directory holding run directories and uid lock files."""
     global _base_dir
     if _base_dir is not None:
         return _base_dir
@@ -368,114 +302,110 @@ def _python_candidates() -> list[str]:
     return out
 
 
-def sandbox_capabilities() -> dict:
-    """Which containment layers work here (probed once per process, warnings logged once).
+def _bwrap_binary() -> str | None:
+    """bubblewrap, unless ``GRPO_SANDBOX_BWRAP=0``; ``GRPO_SANDBOX_BWRAP=/path`` picks a binary."""
+    env = os.environ.get("GRPO_SANDBOX_BWRAP", "")
+    if env in ("0", "no", "off", "false"):
+        return None
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    return shutil.which("bwrap") or next((p for p in ("/usr/bin/bwrap", "/bin/bwrap") if os.access(p, os.X_OK)), None)
 
-    Keys: ``netns``, ``mountns``, ``pidns``, ``uid_drop`` (bools), ``python`` (the interpreter that
-    the sandbox user can run), ``uids`` (the dedicated uid range, empty without uid drop),
-    ``tmpfs_dirs`` (world-writable directories hidden in the mount namespace), ``warnings``.
+
+def sandbox_capabilities() -> dict:
+    """What containment works here (probed once per process with real trial runs; warnings logged once).
+
+    Keys: ``mode`` (``"bwrap"``, ``"namespaces"`` or ``"process"``, see the module docstring),
+    ``bwrap`` (its path or None), ``uid_drop`` (a dedicated uid per run), ``ro_host`` (the host is
+    read-only for the program), ``host_hidden`` (the host's files are not visible), ``netns``,
+    ``pidns``, ``ipcns``, ``mountns``, ``inode_cap`` (bools), ``cgroup`` (``"v2"``, ``"v1"`` or None),
+    ``python`` (the interpreter that runs the programs), ``uids``, ``is_root``, ``warnings``.
     """
     global _caps
     with _caps_lock:
         if _caps is not None:
             return _caps
-        base = _sandbox_base()
-        uids = _uid_range() if _is_root() else []
-        probe_dir = tempfile.mkdtemp(prefix="probe_", dir=base)
-        cfg = {
-            "probe": True,
-            "probe_dir": probe_dir,
-            "uid": uids[0] if uids else None,
-            "gid": uids[0] if uids else None,
-            "pythons": _python_candidates(),
-            "env": dict(SANDBOX_ENV, HOME="/", TMPDIR="/tmp"),
-        }
-        try:
-            out = subprocess.run(
-                [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
-                capture_output=True, timeout=60, env=dict(SANDBOX_ENV), start_new_session=True,
-            )
-            res = json.loads(out.stdout.decode() or "{}")
-        except (subprocess.TimeoutExpired, ValueError) as exc:  # pragma: no cover - broken platform
-            res = {"error": repr(exc)}
-        finally:
-            shutil.rmtree(probe_dir, ignore_errors=True)
-        caps = {
-            "netns": bool(res.get("netns")),
-            "ipcns": bool(res.get("ipcns")),
-            "mountns": bool(res.get("mountns")),
-            "pidns": bool(res.get("pidns")) and bool(res.get("mountns")),
-            "uid_drop": bool(res.get("uid_drop")),
-            "python": res.get("python"),
-            "is_root": _is_root(),
-        }
-        caps["uids"] = uids if caps["uid_drop"] else []
-        caps["tmpfs_dirs"] = _world_writable_dirs() if caps["mountns"] else []
+        root = _is_root()
+        uids = _uid_range() if root else []
+        bwrap = _bwrap_binary()
+        cg = _Cgroups.detect()
+        base = {"uid_drop": bool(uids), "uids": uids, "cgroup": cg.version if cg else None, "bwrap": bwrap,
+                "is_root": root, "python": None}
+        modes = (["bwrap"] if bwrap else []) + (["namespaces"] if root else []) + ["process"]
+        chosen = None
+        for mode in modes:
+            for py in _python_candidates():
+                caps = dict(base, mode=mode, python=py, **_mode_flags(mode, root))
+                caps["uid_drop"] = caps["uid_drop"] and bool(uids)
+                if not caps["uid_drop"]:
+                    caps["uids"] = []
+                res = _trial(caps, cg)
+                if res is not None and res.ok and res.stdout.strip() == "sandbox-ok":
+                    chosen = caps
+                    break
+                logger.debug("sandbox trial mode=%s python=%s failed: %s", mode, py, res)
+            if chosen:
+                break
+        if chosen is None:
+            chosen = dict(base, mode="process", python=None, **_mode_flags("process", root))
+        chosen["_cgroups"] = cg
+        if cg is not None:
+            import atexit
+
+            atexit.register(cg.cleanup)
         warnings = []
-        if not caps["uid_drop"]:
+        if chosen["mode"] != "bwrap":
+            why = "not installed" if not bwrap else "installed but not working here (user namespaces disabled?)"
             warnings.append(
-                "no dedicated sandbox uid (parent is not root or setuid failed): RLIMIT_NPROC counts all of this "
-                "user's processes, the program can signal this process, and stray-process cleanup relies on the "
-                "session id"
+                f"bubblewrap {why}: sandbox mode '{chosen['mode']}' — "
+                + ("the host is read-only for programs but its world-readable files are readable, and there is "
+                   "no PID namespace" if chosen["mode"] == "namespaces" else
+                   "programs can read and write what this user can, and open network connections")
+                + "; install it (`apt-get install -y bubblewrap`, done by `make setup` as root)"
             )
-        if not caps["netns"]:
-            warnings.append("no network namespace: sandboxed programs can open network connections")
-        if not caps["mountns"]:
-            warnings.append("no mount namespace: sandboxed programs can create files in world-writable directories")
-        if not caps["pidns"]:
-            warnings.append("no PID namespace: a daemonised child that calls setsid may escape cleanup without a uid")
-        if caps["python"] is None:
+        if not chosen["uid_drop"]:
             warnings.append(
-                f"no Python interpreter runnable by the sandbox user among {cfg['pythons']}; sandboxed runs will fail"
+                "no dedicated sandbox uid (not root): RLIMIT_NPROC counts all of this user's processes"
+                + (" and stray-process cleanup relies on the session id" if not chosen["pidns"] else "")
             )
+        if cg is None:
+            warnings.append(
+                "no usable cgroup (v2 with memory+pids, or v1): a run's total memory is enforced by polling "
+                "(every 50 ms) and its process count by RLIMIT_NPROC only"
+            )
+        if not chosen["inode_cap"] and chosen["mode"] != "process":
+            warnings.append("tmpfs without an inode cap (needs root); only its size is capped")
+        if chosen["python"] is None:
+            warnings.append(f"no interpreter runnable in the sandbox among {_python_candidates()}; runs will fail")
         for w in warnings:
             logger.warning("grpo-variants sandbox: %s", w)
-        caps["warnings"] = warnings
-        _caps = caps
-        return caps
+        chosen["warnings"] = warnings
+        _caps = chosen
+        return chosen
 
 
-def _world_writable_dirs() -> list[str]:
-    found: list[str] = []
+def _mode_flags(mode: str, root: bool) -> dict:
+    ns = mode in ("bwrap", "namespaces")
+    return {
+        "mountns": ns,
+        "netns": ns,
+        "ipcns": ns,
+        "pidns": mode == "bwrap",
+        "ro_host": ns,
+        "host_hidden": mode == "bwrap",
+        "inode_cap": ns and root,
+        "uid_drop": root,
+    }
 
-    def check(p: str) -> None:
-        try:
-            st = os.lstat(p)
-        except OSError:
-            return
-        import stat as _stat
 
-        if _stat.S_ISDIR(st.st_mode) and st.st_mode & 0o002 and p not in found:
-            found.append(p)
-
-    for p in _WORLD_WRITABLE_CANDIDATES:
-        if os.path.isdir(p) and not os.path.islink(p):
-            check(p)
-    # A shallow scan for other world-writable directories (depth 2, skipping kernel filesystems).
-    for top in ("/",):
-        try:
-            entries = os.listdir(top)
-        except OSError:
-            entries = []
-        for e in entries:
-            p1 = os.path.join(top, e)
-            if e in ("proc", "sys", "dev") or os.path.islink(p1) or not os.path.isdir(p1):
-                continue
-            check(p1)
-            try:
-                for e2 in os.listdir(p1):
-                    p2 = os.path.join(p1, e2)
-                    if not os.path.islink(p2):
-                        check(p2)
-            except OSError:
-                pass
-    # Never mount over an ancestor of another entry twice: keep the outermost only.
-    found.sort(key=len)
-    out: list[str] = []
-    for p in found:
-        if not any(p.startswith(q.rstrip("/") + "/") for q in out):
-            out.append(p)
-    return out
+def _trial(caps: dict, cg) -> SandboxResult | None:
+    try:
+        return _run(caps, cg, "print('sandbox-ok')", timeout=20.0, cpu_time=10, memory_mb=512, total_memory_mb=None,
+                    max_processes=32, max_output_bytes=4096, stdin=None, max_file_mb=1, workdir_mb=4, max_files=64,
+                    max_open_files=64, network=False, python=None, env=None, ro_paths=())
+    except Exception as exc:  # pragma: no cover - a broken platform
+        logger.debug("sandbox trial %s failed: %r", caps.get("mode"), exc)
+        return None
 
 
 class _UidSlot:
@@ -504,8 +434,11 @@ class _UidSlot:
                     os.close(fd)
                     continue
                 self.uid, self._fd = uid, fd
-                # A previous holder that crashed may have left processes behind: they are ours.
-                _kill_matching(uid=uid, sid=None)
+                # A previous holder that did not finish (crashed) may have left processes behind: they
+                # are ours. (The lock file says "busy" from acquisition to a clean release.)
+                if os.pread(fd, 4, 0) != b"idle":
+                    _kill_matching(uid=uid, sid=None)
+                os.pwrite(fd, b"busy", 0)
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"All {len(uids)} sandbox uids stay busy; raise GRPO_SANDBOX_UID_SLOTS.")
@@ -513,8 +446,264 @@ class _UidSlot:
 
     def release(self) -> None:
         if self._fd is not None:
+            try:
+                os.pwrite(self._fd, b"idle", 0)
+            except OSError:
+                pass
             os.close(self._fd)  # releases the flock
             self._fd = None
+
+
+# --------------------------------------------------------------------------------------------
+# cgroups: one per run, holding every process of the run from its start
+# --------------------------------------------------------------------------------------------
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+class _Cgroups:
+    """The parent directories under which per-run cgroups are made (v2: one; v1: memory and pids)."""
+
+    def __init__(self, version: str, parents: dict[str, str]):
+        self.version = version
+        self.parents = parents  # v2: {"unified": dir}; v1: {"memory": dir, "pids": dir}
+
+    @staticmethod
+    def detect() -> "_Cgroups | None":
+        if os.environ.get("GRPO_SANDBOX_CGROUP", "") in ("0", "no", "off", "false"):
+            return None
+        mounts: dict[str, list[tuple[str, str]]] = {}  # controller -> [(root in hierarchy, mount point)]
+        own: dict[str, str] = {}
+        try:
+            with open("/proc/self/mountinfo") as f:
+                for line in f:
+                    left, _, right = line.partition(" - ")
+                    fields, rfields = left.split(), right.split()
+                    if len(rfields) >= 3 and rfields[0] in ("cgroup", "cgroup2"):
+                        keys = ["unified"] if rfields[0] == "cgroup2" else rfields[2].split(",")
+                        for key in keys:
+                            mounts.setdefault(key, []).append((fields[3], fields[4]))
+            with open("/proc/self/cgroup") as f:
+                for line in f:
+                    _, ctrls, path = line.rstrip("\n").split(":", 2)
+                    for c in (ctrls.split(",") if ctrls else ["unified"]):
+                        own[c] = path
+        except (OSError, ValueError):
+            return None
+
+        def own_dir(ctrl: str, root: str, mnt: str) -> str:
+            path = own.get(ctrl, "/")
+            if root != "/" and (path == root or path.startswith(root + "/")):
+                path = path[len(root):] or "/"
+            d = os.path.join(mnt, path.lstrip("/"))
+            return d if os.path.isdir(d) else mnt
+
+        name = f"grpo_variants_sandbox_{os.getpid()}"
+        # v2: a parent cgroup whose children get memory+pids: ours, or an ancestor (a cgroup that holds
+        # processes cannot hand controllers to children, so our own one is usually not it).
+        for root, mnt in mounts.get("unified", []):
+            d = own_dir("unified", root, mnt)
+            chain = [d]
+            while d != mnt and d.startswith(mnt):
+                d = os.path.dirname(d)
+                chain.append(d)
+            for d in chain:
+                if not {"memory", "pids"} <= set(_read(os.path.join(d, "cgroup.controllers")).split()):
+                    continue
+                try:
+                    if not {"memory", "pids"} <= set(_read(os.path.join(d, "cgroup.subtree_control")).split()):
+                        _write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids")
+                    _clean_stale(d)
+                    parent = os.path.join(d, name)
+                    if not os.path.isdir(parent):
+                        os.mkdir(parent)
+                    _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
+                except OSError:
+                    continue
+                cg = _Cgroups("v2", {"unified": parent})
+                if cg._selftest():
+                    return cg
+                _rmdir(parent)
+        # v1: the memory and pids hierarchies (kept by many container hosts).
+        parents = {}
+        for ctrl in ("memory", "pids"):
+            for root, mnt in mounts.get(ctrl, []):
+                d = own_dir(ctrl, root, mnt)
+                try:
+                    _clean_stale(d)
+                    parent = os.path.join(d, name)
+                    if not os.path.isdir(parent):
+                        os.mkdir(parent)
+                except OSError:
+                    continue
+                parents[ctrl] = parent
+                break
+        if len(parents) == 2:
+            cg = _Cgroups("v1", parents)
+            if cg._selftest():
+                return cg
+        for p in parents.values():
+            _rmdir(p)
+        return None
+
+    def cleanup(self) -> None:
+        for p in self.parents.values():
+            _clean_stale(os.path.dirname(p), only_pid=os.getpid())
+
+    def _selftest(self) -> bool:
+        try:
+            run = self.create(64 << 20, 8)
+        except OSError:
+            return False
+        run.remove()
+        return True
+
+    def create(self, memory_bytes: int, max_processes: int | None) -> "_RunCgroup":
+        """A run's cgroup; ``max_processes=None`` (v1): no pids cgroup, RLIMIT_NPROC of a dedicated uid binds."""
+        tag = "run_" + uuid.uuid4().hex[:12]
+        dirs = []
+        parents = [p for c, p in self.parents.items() if c != "pids" or max_processes is not None]
+        try:
+            for parent in parents:
+                d = os.path.join(parent, tag)
+                os.mkdir(d)
+                dirs.append(d)
+            if self.version == "v2":
+                d = dirs[0]
+                _write(os.path.join(d, "memory.max"), str(memory_bytes))
+                if os.path.exists(os.path.join(d, "memory.swap.max")):
+                    _write(os.path.join(d, "memory.swap.max"), "0")
+                _write(os.path.join(d, "pids.max"), str(max_processes if max_processes is not None else "max"))
+            else:
+                mem = dirs[0]
+                _write(os.path.join(mem, "memory.limit_in_bytes"), str(memory_bytes))
+                if os.path.exists(os.path.join(mem, "memory.memsw.limit_in_bytes")):
+                    _write(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(memory_bytes))
+                if max_processes is not None:
+                    _write(os.path.join(dirs[1], "pids.max"), str(max_processes))
+        except OSError:
+            for d in dirs:
+                _rmdir(d)
+            raise
+        return _RunCgroup(self.version, dirs)
+
+
+def _clean_stale(d: str, only_pid: int | None = None) -> None:
+    """Remove (empty) sandbox cgroups left by trainers that are gone (or, with ``only_pid``, by us)."""
+    try:
+        entries = os.listdir(d)
+    except OSError:
+        return
+    for e in entries:
+        if not e.startswith("grpo_variants_sandbox_"):
+            continue
+        try:
+            pid = int(e.rsplit("_", 1)[1])
+        except ValueError:
+            continue
+        if only_pid is not None and pid != only_pid:
+            continue
+        if only_pid is None and (pid == os.getpid() or os.path.exists(f"/proc/{pid}")):
+            continue
+        p = os.path.join(d, e)
+        try:
+            for run in os.listdir(p):
+                if run.startswith("run_"):
+                    _rmdir(os.path.join(p, run))
+        except OSError:
+            pass
+        _rmdir(p)
+
+
+def _rmdir(d: str) -> None:
+    try:
+        os.rmdir(d)
+    except OSError:
+        pass
+
+
+class _RunCgroup:
+    def __init__(self, version: str, dirs: list[str]):
+        self.version, self.dirs = version, dirs
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+    def pids(self) -> list[int]:
+        out = set()
+        for f in self.procs_files:
+            out.update(int(x) for x in _read(f).split() if x.isdigit())
+        return sorted(out)
+
+    def kill(self, wait_s: float = 2.0) -> None:
+        if self.version == "v2" and os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
+            try:
+                _write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait_s
+        seen: set[int] = set()
+        while True:
+            pids = [p for p in self.pids() if not _is_zombie(p)]
+            seen.update(pids)
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+            # A process leaves cgroup.procs a little before it is a zombie: wait for that too, so that
+            # nothing of the run is still running when we return.
+            if not pids and all(_is_zombie(p) for p in seen):
+                return
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
+
+    def oom_killed(self) -> bool:
+        if self.version == "v2":
+            for line in _read(os.path.join(self.dirs[0], "memory.events")).splitlines():
+                k, _, v = line.partition(" ")
+                if k == "oom_kill" and v.strip() not in ("", "0"):
+                    return True
+            return False
+        control = _read(os.path.join(self.dirs[0], "memory.oom_control"))
+        for line in control.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill":
+                return v.strip() not in ("", "0")
+        # Kernels before 4.13 do not count OOM kills: hitting the limit is the best sign there is.
+        return _read(os.path.join(self.dirs[0], "memory.failcnt")).strip() not in ("", "0")
+
+    def peak_mb(self) -> float | None:
+        name = "memory.peak" if self.version == "v2" else "memory.max_usage_in_bytes"
+        v = _read(os.path.join(self.dirs[0], name)).strip()
+        return round(int(v) / (1 << 20), 1) if v.isdigit() else None
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            for _ in range(100):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        break
+                    time.sleep(0.002)
 
 
 # --------------------------------------------------------------------------------------------
@@ -555,18 +744,14 @@ def _kill_matching(uid: int | None, sid: int | None, wait_s: float = 2.0) -> int
     killed = 0
     deadline = time.monotonic() + wait_s
     while True:
-        pids = _matching_pids(uid, sid)
-        # Zombies are gone for all practical purposes (their parent, in the sandbox, reaps or dies).
-        pids = [p for p in pids if not _is_zombie(p)]
+        pids = [p for p in _matching_pids(uid, sid) if not _is_zombie(p)]
         if not pids:
             return killed
         for p in pids:
             try:
                 os.kill(p, signal.SIGKILL)
                 killed += 1
-            except ProcessLookupError:
-                pass
-            except PermissionError:  # pragma: no cover - not ours after all
+            except (ProcessLookupError, PermissionError):
                 pass
         if time.monotonic() > deadline:
             logger.warning("grpo-variants sandbox: processes %s survived SIGKILL for %.1fs", pids, wait_s)
@@ -574,13 +759,58 @@ def _kill_matching(uid: int | None, sid: int | None, wait_s: float = 2.0) -> int
         time.sleep(0.005)
 
 
-def _is_zombie(pid: int) -> bool:
+def _stat_fields(pid: int) -> list[bytes] | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
+        return stat[stat.rindex(b")") + 2 :].split()
     except (OSError, ValueError):
+        return None
+
+
+def _is_zombie(pid: int) -> bool:
+    f = _stat_fields(pid)
+    return f is None or f[0] in (b"Z", b"X")
+
+
+def _ppid(pid: int) -> int | None:
+    f = _stat_fields(pid)
+    return int(f[1]) if f else None
+
+
+def _is_reaper() -> bool:
+    """Are orphans reparented to this process (PID 1 of a namespace, or a child subreaper)?"""
+    if os.getpid() == 1:
         return True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        flag = ctypes.c_int(0)
+        if libc.prctl(37, ctypes.byref(flag), 0, 0, 0) == 0:  # PR_GET_CHILD_SUBREAPER
+            return bool(flag.value)
+    except (OSError, AttributeError):  # pragma: no cover
+        pass
+    return False
+
+
+def _tree_rss_mb(root: int) -> float:
+    """Resident memory (MB) of ``root`` and its descendants (/proc/<pid>/task/*/children)."""
+    total, stack, seen = 0, [root], set()
+    while stack:
+        pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1])
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    stack.extend(int(x) for x in f.read().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return total * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
 
 
 # --------------------------------------------------------------------------------------------
@@ -599,43 +829,98 @@ def run_in_sandbox(
     timeout: float = 5.0,
     cpu_time: int = 5,
     memory_mb: int = 512,
+    total_memory_mb: int | None = None,
     max_processes: int = 32,
     max_output_bytes: int = 64_000,
     stdin: str | bytes | None = None,
     max_file_mb: int = 16,
     workdir_mb: int = 64,
+    max_files: int = 4096,
     max_open_files: int = 256,
     network: bool = False,
     python: str | None = None,
     env: dict[str, str] | None = None,
+    ro_paths: Sequence[str] = (),
 ) -> SandboxResult:
     """Run ``code`` (a Python program) in the sandbox; never raises for anything the program does.
 
-    ``timeout`` is wall-clock seconds, after which the whole process group (and, with a dedicated
-    uid or PID namespace, every process the program started) is killed. ``cpu_time`` is
-    RLIMIT_CPU seconds per process, ``memory_mb`` RLIMIT_AS per process, ``max_processes``
-    RLIMIT_NPROC (tasks of the sandbox uid, threads included), ``max_output_bytes`` the cap on
-    each of stdout and stderr (the run is killed when exceeded), ``max_file_mb`` RLIMIT_FSIZE,
-    ``workdir_mb`` the size of the tmpfs working directory (mount namespace only). ``network=True``
-    skips the network namespace. ``env`` adds variables to the minimal :data:`SANDBOX_ENV`.
+    ``timeout`` is wall-clock seconds, after which every process of the run is killed. ``cpu_time``
+    is RLIMIT_CPU seconds per process, ``memory_mb`` RLIMIT_AS per process, ``total_memory_mb``
+    (default ``memory_mb``) the run's total memory (cgroup, else polled), ``max_processes`` the
+    run's process/thread count (cgroup ``pids.max`` and RLIMIT_NPROC), ``max_output_bytes`` the cap
+    on each of stdout and stderr (the run is killed when exceeded), ``max_file_mb`` RLIMIT_FSIZE,
+    ``workdir_mb`` / ``max_files`` the size and inode cap of the writable tmpfs. ``network=True``
+    keeps the host network. ``env`` adds variables to :data:`SANDBOX_ENV`. ``ro_paths`` are host
+    paths made visible read-only (e.g. a site-packages directory the programs may import from).
     """
     caps = sandbox_capabilities()
+    return _run(caps, caps.get("_cgroups"), code, timeout=timeout, cpu_time=cpu_time, memory_mb=memory_mb,
+                total_memory_mb=total_memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes,
+                stdin=stdin, max_file_mb=max_file_mb, workdir_mb=workdir_mb, max_files=max_files,
+                max_open_files=max_open_files, network=network, python=python, env=env, ro_paths=ro_paths)
+
+
+def _bwrap_argv(caps: dict, workdir: Path, python: str, network: bool, ro_paths: Sequence[str],
+                workdir_mb: int, info_fd: int) -> list[str]:
+    a = [caps["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+         "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", "--info-fd", str(info_fd)]
+    if network:
+        a.append("--share-net")
+    bound: list[str] = []
+    for p in _SYSTEM_PATHS:
+        if os.path.islink(p):
+            a += ["--symlink", os.readlink(p), p]
+        elif os.path.isdir(p):
+            a += ["--ro-bind", p, p]
+            bound.append(p)
+    for f in _SYSTEM_FILES:
+        a += ["--ro-bind-try", f, f]
+    extra = [os.path.dirname(os.path.dirname(os.path.realpath(python)))] + [os.path.realpath(p) for p in ro_paths]
+    for p in extra:
+        if p and p != "/" and not any(p == b or p.startswith(b + "/") for b in bound) and os.path.exists(p):
+            a += ["--ro-bind", p, p]
+            bound.append(p)
+    a += ["--proc", "/proc", "--dev", "/dev"]
+    w = _INSIDE_WORKDIR
+    if caps["inode_cap"]:  # the stub mounted the capped tmpfs on the workdir (root)
+        a += ["--bind", str(workdir), w, "--bind", str(workdir / "tmp"), "/tmp",
+              "--bind", str(workdir / "tmp"), "/dev/shm"]
+    else:
+        size = str(int(workdir_mb) << 20)
+        a += ["--size", size, "--tmpfs", w, "--ro-bind", str(workdir / "main.py"), w + "/main.py",
+              "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm"]
+    a += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", w, "--",
+          os.path.realpath(python), "-I", "-B", "-X", "utf8", "main.py"]
+    return a
+
+
+def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memory_mb, max_processes,
+         max_output_bytes, stdin, max_file_mb, workdir_mb, max_files, max_open_files, network, python, env,
+         ro_paths) -> SandboxResult:
     start = time.monotonic()
     py = python or caps["python"]
     if py is None:
-        return SandboxResult(None, "", "no Python interpreter usable by the sandbox user", False, "sandbox_error", 0.0)
+        return SandboxResult(None, "", "no Python interpreter usable by the sandbox", False, "sandbox_error", 0.0)
+    mode = caps["mode"]
     slot = _UidSlot(caps["uids"]) if caps["uid_drop"] else _UidSlot([])
     workdir = Path(tempfile.mkdtemp(prefix="run_", dir=_sandbox_base()))
+    total_mb = int(total_memory_mb or memory_mb)
+    run_cg: _RunCgroup | None = None
     proc: subprocess.Popen | None = None
+    info_r = info_w = None
+    init_pidfd = None
     cleaned = False
     try:
         main = workdir / "main.py"
         main.write_text(code, encoding="utf-8", errors="surrogatepass")
-        if slot.uid is not None and not caps["mountns"]:
-            # The program works in this directory. (With the mount namespace it works in a private
-            # tmpfs instead, and this directory stays root's: the program never sees it.)
+        if slot.uid is not None and not caps["inode_cap"]:
+            # The program (or bwrap, as the run's uid) reads/works in this directory directly.
             os.chown(workdir, slot.uid, slot.uid)
             os.chown(main, slot.uid, slot.uid)
+        if mode == "process" or (mode == "namespaces" and not caps["inode_cap"]):
+            (workdir / "tmp").mkdir(mode=0o700)
+            if slot.uid is not None:
+                os.chown(workdir / "tmp", slot.uid, slot.uid)
         os.chmod(workdir, 0o700)
         cpu = max(1, int(cpu_time))
         nofile = max(16, int(max_open_files))
@@ -643,28 +928,47 @@ def run_in_sandbox(
             ("RLIMIT_CPU", cpu, cpu + 1),
             ("RLIMIT_AS", int(memory_mb) << 20, int(memory_mb) << 20),
             ("RLIMIT_FSIZE", int(max_file_mb) << 20, int(max_file_mb) << 20),
-            ("RLIMIT_NPROC", int(max_processes), int(max_processes)),
             ("RLIMIT_CORE", 0, 0),
             ("RLIMIT_NOFILE", nofile, nofile),
         ]
-        if slot.uid is None and _is_root():
-            rlimits = [r for r in rlimits if r[0] != "RLIMIT_NPROC"]  # would be a no-op for root anyway
+        if slot.uid is not None or not _is_root():
+            rlimits.append(("RLIMIT_NPROC", int(max_processes), int(max_processes)))
+        if cg is not None:
+            try:
+                # + 2: the stub (then bwrap) and bwrap's init. With a dedicated uid, RLIMIT_NPROC already
+                # bounds exactly this run's processes, and v1 saves joining a second hierarchy.
+                pids = None if (cg.version == "v1" and slot.uid is not None) else int(max_processes) + 2
+                run_cg = cg.create(total_mb << 20, pids)
+            except OSError as exc:
+                logger.warning("grpo-variants sandbox: could not create the run's cgroup (%s); polling memory", exc)
+        inside = mode == "bwrap"
+        bind_tmp = [d for d in _HOST_TMP_DIRS if os.path.isdir(d) and not os.path.islink(d)] \
+            if mode == "namespaces" and caps["inode_cap"] else []
+        cwd = _INSIDE_WORKDIR if inside else ("/tmp" if bind_tmp else str(workdir))
         prog_env = dict(SANDBOX_ENV)
         prog_env.update(env or {})
-        prog_env.update(HOME=str(workdir), TMPDIR=str(workdir))
+        prog_env.update(HOME=cwd, TMPDIR="/tmp" if inside or bind_tmp else str(workdir / "tmp"))
+        pass_fds: tuple[int, ...] = ()
+        if inside:
+            info_r, info_w = os.pipe()
+            pass_fds = (info_w,)
+            argv = _bwrap_argv(caps, workdir, py, network, ro_paths, workdir_mb, info_w)
+        else:
+            argv = [py, "-I", "-B", "-X", "utf8", "main.py"]
         cfg = {
             "workdir": str(workdir),
-            "netns": caps["netns"] and not network,
-            "ipcns": caps["ipcns"],
-            "mountns": caps["mountns"],
-            "pidns": caps["pidns"],
-            "tmpfs_dirs": caps["tmpfs_dirs"],
-            "tmpfs_mb": 16,
-            "workdir_mb": int(workdir_mb),
+            "cwd": "/" if inside else cwd,
             "uid": slot.uid,
-            "gid": slot.uid,
+            "mount": bool(caps["inode_cap"]),
+            "ro_host": mode == "namespaces",
+            "unshare_extra": (0x40000000 | 0x08000000) if mode == "namespaces" and not network else
+                             (0x08000000 if mode == "namespaces" else 0),
+            "bind_tmp": bind_tmp,
+            "workdir_mb": int(workdir_mb),
+            "max_files": max(16, int(max_files)),
             "rlimits": rlimits,
-            "python": py,
+            "cgroup_procs": run_cg.procs_files if run_cg else [],
+            "argv": argv,
             "env": prog_env,
         }
         stdin_r = None
@@ -675,44 +979,64 @@ def run_in_sandbox(
             threading.Thread(target=_feed, args=(stdin_w, data), daemon=True, name="grpo-sandbox-stdin").start()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
+                [sys.executable, "-I", "-S", "-c", _STUB, json.dumps(cfg)],
                 stdin=stdin_r if stdin_r is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=dict(SANDBOX_ENV),
                 cwd="/",
                 close_fds=True,
+                pass_fds=pass_fds,
                 start_new_session=True,
             )
         finally:
             if stdin_r is not None:
                 os.close(stdin_r)
-        stdout, stderr, timed_out, over, truncated = _collect(proc, start + timeout, max_output_bytes)
-        if timed_out or over:
-            _killpg(proc.pid)
-        # Wait for the launcher to exit *without reaping it*, so that its pid (our process group and
+            if info_w is not None:
+                os.close(info_w)
+                info_w = None
+        if info_r is not None:
+            init_pidfd = _init_pidfd(info_r, proc.pid)
+        poll_memory = None if run_cg is not None else total_mb
+        stdout, stderr, timed_out, over, truncated, mem_over = _collect(
+            proc, start + timeout, max_output_bytes, poll_memory)
+        if timed_out or over or mem_over:
+            _kill_run(proc.pid, init_pidfd, run_cg)
+        # Wait for the stub/bwrap to exit *without reaping it*, so that its pid (our process group and
         # session id) cannot be reused while we kill what the program left behind.
         while not _exited_nowait(proc.pid):
             if time.monotonic() >= start + timeout:
                 timed_out = True
-                _killpg(proc.pid)
+                _kill_run(proc.pid, init_pidfd, run_cg)
                 os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
                 break
             time.sleep(0.002)
-        _killpg(proc.pid)
-        _kill_matching(uid=slot.uid, sid=proc.pid)
+        _kill_run(proc.pid, init_pidfd, run_cg)
+        if run_cg is None or mode != "bwrap":
+            # No cgroup (or no PID namespace): find what is left by uid and session. (A process cannot
+            # leave its cgroup: bubblewrap's root has no /sys, and the cgroup namespace hides the rest.)
+            _kill_matching(uid=slot.uid, sid=proc.pid)
         rc = proc.wait()
+        _reap_orphan_init(init_pidfd)
+        if mode != "bwrap" and slot.uid is not None:
+            _reap_uid_orphans(slot.uid)
         cleaned = True
         out_s = stdout.decode("utf-8", errors="replace")
         err_s = stderr.decode("utf-8", errors="replace")
+        if inside and rc is not None and 128 < rc < 160 and _LAUNCHER_TAG not in err_s:
+            rc = -(rc - 128)  # bubblewrap reports a signal death as 128 + signal
+        oom = run_cg.oom_killed() if run_cg else False
         reason = None
         if timed_out:
             reason = "timeout"
         elif over:
             reason = "output_limit"
+        elif mem_over or (oom and rc != 0):
+            reason = "memory"
         elif rc == _LAUNCHER_EXIT and _LAUNCHER_TAG in err_s:
             reason = "sandbox_error"
-            logger.warning("grpo-variants sandbox setup failed: %s", err_s.strip()[-500:])
+            if caps is _caps:
+                logger.warning("grpo-variants sandbox setup failed: %s", err_s.strip()[-500:])
         elif rc is not None and rc < 0:
             reason = "cpu_time" if -rc == signal.SIGXCPU else f"signal:{_signame(-rc)}"
         elif rc and "MemoryError" in err_s[-2000:]:
@@ -725,19 +1049,103 @@ def run_in_sandbox(
             killed_reason=reason,
             duration=time.monotonic() - start,
             output_truncated=truncated,
+            peak_memory_mb=run_cg.peak_mb() if run_cg else None,
         )
     finally:
         if proc is not None:
             if proc.returncode is None:  # an exception above: make sure nothing survives
-                _killpg(proc.pid)
+                _kill_run(proc.pid, init_pidfd, run_cg)
                 proc.wait()
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
+        for fd in (info_r, info_w, init_pidfd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
         if not cleaned:
             _kill_matching(uid=slot.uid, sid=None)
+        if run_cg is not None:
+            run_cg.kill()
+            run_cg.remove()
         shutil.rmtree(workdir, ignore_errors=True)
         slot.release()
+
+
+def _init_pidfd(info_r: int, outer_pid: int) -> int | None:
+    """A pidfd on bubblewrap's PID 1 (from ``--info-fd``), verified to be the outer bwrap's child."""
+    import select
+
+    data = b""
+    deadline = time.monotonic() + 2.0
+    while b"}" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([info_r], [], [], left)[0]:
+            break
+        chunk = os.read(info_r, 4096)
+        if not chunk:  # bwrap closed it (exited, or failed before starting the program)
+            break
+        data += chunk
+    try:
+        pid = int(json.loads(data.decode())["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+    if _ppid(pid) != outer_pid:  # already gone and the pid reused: not ours
+        os.close(fd)
+        return None
+    return fd
+
+
+def _kill_run(outer_pid: int, init_pidfd: int | None, run_cg: _RunCgroup | None) -> None:
+    """Kill the namespace's init first (so that bwrap reaps it), then the cgroup and the session."""
+    if init_pidfd is not None:
+        try:
+            signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
+            deadline = time.monotonic() + 0.5
+            while not _exited_nowait(outer_pid) and time.monotonic() < deadline:
+                time.sleep(0.001)
+        except OSError:
+            pass
+    if run_cg is not None:
+        run_cg.kill()
+    _killpg(outer_pid)
+
+
+def _reap_orphan_init(init_pidfd: int | None) -> None:
+    """When we are a reaper, the namespace's init (bwrap's child) may have been reparented to us."""
+    if init_pidfd is None or not _is_reaper():
+        return
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            res = os.waitid(os.P_PIDFD, init_pidfd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:
+            return  # not our child (bwrap reaped it, or another reaper has it)
+        except (AttributeError, OSError):
+            return
+        if res is not None:
+            return
+        time.sleep(0.002)
+
+
+def _reap_uid_orphans(uid: int) -> None:
+    """Without a PID namespace, a run's double-forked daemon is reparented to a reaper: when that is
+    us, reap the zombies of the run's (dedicated, so unambiguous) uid."""
+    if not _is_reaper():
+        return
+    me = os.getpid()
+    for pid in _matching_pids(uid, None):
+        if _ppid(pid) == me:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
 
 
 def _feed(fd: int, data: bytes) -> None:
@@ -768,16 +1176,19 @@ def _killpg(pgid: int) -> None:
         pass
 
 
-def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool, bool]:
-    """Read stdout/stderr up to ``cap`` bytes each until EOF, exit, deadline or overflow."""
+def _collect(proc: subprocess.Popen, deadline: float, cap: int,
+             poll_memory_mb: int | None) -> tuple[bytes, bytes, bool, bool, bool, bool]:
+    """Read stdout/stderr up to ``cap`` bytes each until EOF, exit, deadline, overflow or (polling
+    fallback) the run's resident memory exceeding ``poll_memory_mb``."""
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     for fd in bufs:
         os.set_blocking(fd, False)
     sel = selectors.DefaultSelector()
     for fd in bufs:
         sel.register(fd, selectors.EVENT_READ)
-    timed_out = over = truncated = False
+    timed_out = over = truncated = mem_over = False
     exited_at = None
+    next_poll = time.monotonic() + 0.05
     try:
         while sel.get_map():
             now = time.monotonic()
@@ -789,6 +1200,11 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, 
             if exited_at is not None and now - exited_at > 0.05:
                 # The program exited but something (a background child) holds the pipes open.
                 break
+            if poll_memory_mb is not None and now >= next_poll:
+                next_poll = now + 0.05
+                if _tree_rss_mb(proc.pid) > poll_memory_mb:
+                    mem_over = True
+                    break
             for key, _ in sel.select(timeout=min(0.05, max(0.0, deadline - now))):
                 fd = key.fd
                 try:
@@ -811,7 +1227,8 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, 
                 break
     finally:
         sel.close()
-    return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), timed_out, over, truncated
+    out, err = bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()])
+    return out, err, timed_out, over, truncated, mem_over
 
 
 # --------------------------------------------------------------------------------------------
