@@ -95,17 +95,33 @@ class GRPOVariantConfig(GRPOConfig):
     )
     # ---- rewards ---------------------------------------------------------------------------
     reward_timeout: float | None = field(
-        default=60.0, metadata={"help": "Seconds one reward call may take before it is abandoned (None: no limit)."}
+        default=None,
+        metadata={
+            "help": "Seconds one reward call may take before it is stopped (None: no limit, as in TRL). A call "
+            "running longer than reward_warn_after logs a warning either way."
+        },
+    )
+    reward_warn_after: float | None = field(
+        default=60.0,
+        metadata={"help": "Log a warning when one reward call is still running after this many seconds (None: never)."},
     )
     reward_isolation: str = field(
-        default="thread", metadata={"help": "How reward calls run: thread (timeout) | process (killable) | none."}
+        default="thread",
+        metadata={
+            "help": "How reward calls run when reward_timeout is set: thread (abandoned on timeout) | process "
+            "(killed on timeout) | none (no timeout). Without a timeout calls run in the caller's thread, as in TRL."
+        },
     )
     reward_on_error: str = field(
         default="raise",
         metadata={"help": "raise: a crashing reward stops training with a clear error; none: the value is missing."},
     )
     reward_cache: bool = field(
-        default=True, metadata={"help": "Score identical completions of a group once (deterministic rewards)."}
+        default=False,
+        metadata={
+            "help": "Opt-in: score identical samples of one call once. The reward function then sees the batch "
+            "with duplicates removed (not TRL's batch): only for deterministic per-sample rewards."
+        },
     )
     # ---- rollout ---------------------------------------------------------------------------
     behaviour_logprobs: str = field(

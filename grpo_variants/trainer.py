@@ -10,7 +10,7 @@ The trainer wraps TRL rather than copying it:
   behaves exactly like TRL's.
 * Rollouts go through ``super()._generate_and_score_completions``; variants filter, extend or
   re-weight what it returns (DAPO drops groups, iGRPO rewrites prompts, µ-GRPO buffers stages).
-* Reward functions are resolved by name and wrapped with a per-call timeout and clear errors.
+* Reward functions are resolved by name and wrapped with clear errors (TRL's batch, no time limit by default).
 * Every step logs clip/veto/FIPO fractions, the useful-token fraction and per-phase timings.
 * Off-policy steps cost no extra forward pass: the behaviour log-probs TRL would recompute are
   recorded while HF generate samples (``behaviour_logprobs``, :mod:`grpo_variants.rollout_logprobs`),
@@ -20,6 +20,7 @@ The trainer wraps TRL rather than copying it:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import time
@@ -48,6 +49,7 @@ _FORWARD_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
+logger = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -302,12 +304,18 @@ class GRPOVariantTrainer(GRPOTrainer):
     def _wrap_rewards(self, reward_funcs, args) -> list:
         from grpo_variants.rewards.robust import wrap_reward_funcs
 
+        if args.reward_cache:
+            logger.warning(
+                "reward_cache=True: each reward function is called with identical samples removed (not TRL's "
+                "batch); right only for deterministic rewards that score each completion on its own."
+            )
         return wrap_reward_funcs(
             reward_funcs,
             timeout=args.reward_timeout,
             isolation=args.reward_isolation,
             on_error=args.reward_on_error,
             cache_duplicates=args.reward_cache,
+            warn_after=args.reward_warn_after,
         )
 
     def _build_loss_spec(self) -> LossSpec | None:

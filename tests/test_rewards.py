@@ -366,7 +366,7 @@ def test_caching_duplicates():
         assert kw["trainer_state"] == "state" and callable(kw["log_metric"])
         return [float(len(c)) + (10.0 if a == "x" else 0.0) for c, a in zip(completions, answer)]
 
-    r = RobustReward(counting_reward)
+    r = RobustReward(counting_reward, cache_duplicates=True)  # opt-in
     comps = ["aa", "aa", "b", "aa", "b", "aa"]
     answers = ["y", "y", "y", "y", "y", "x"]  # the last differs in its column: not a duplicate
     out = r(prompts=["p"] * 6, completions=comps, completion_ids=[[1]] * 6, answer=answers,
