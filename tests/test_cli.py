@@ -16,15 +16,22 @@ def test_list_shows_variants_and_rewards(capsys):
         assert name in out
 
 
-def test_train_toy_two_steps(tmp_path, toy_model_path, capsys):
+def test_train_toy_two_steps_leaves_a_record(tmp_path, toy_model_path, capsys):
+    """A CLI run with report_to none still leaves metrics.jsonl, trainer_state.json, a plot and a model card."""
     out_dir = tmp_path / "run"
-    code = main(["train", "--variant", "grpo", "--model", "toy", "--dataset", "toy", "--max_steps", "2",
+    code = main(["train", "--variant", "dapo", "--model", "toy", "--dataset", "toy", "--max_steps", "2",
                  "--output_dir", str(out_dir), "--per_device_train_batch_size", "16", "--num_generations", "4",
-                 "--disable_tqdm", "true"])
+                 "--report_to", "none", "--learning_rate", "3e-4"])
     assert code == 0
     assert (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists()
-    state = json.loads((out_dir / "trainer_state.json").read_text()) if (out_dir / "trainer_state.json").exists() else None
-    assert state is None or state["global_step"] == 2
+    state = json.loads((out_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert (out_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = (out_dir / "README.md").read_text()
+    assert "Variant **dapo**" in card and "arxiv.org/abs/2503.14476" in card
+    assert "| `learning_rate` | `0.0003` | `1e-06` |" in card  # a non-default hyper-parameter with its defaults
 
 
 def test_train_reads_yaml_and_flags_override(tmp_path, toy_model_path):
