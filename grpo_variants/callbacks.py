@@ -119,16 +119,24 @@ class RunRecordCallback(TrainerCallback):
 
     FILES = ("metrics.jsonl", "trainer_state.json", "reward_curve.png", "README.md")
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, print_summary: bool = True):
         self.trainer = trainer
         self.output_dir = Path(trainer.args.output_dir)
         self.metrics = MetricsJSONLCallback(self.output_dir / "metrics.jsonl", fresh_on_new_run=True)
         self.written: list[Path] = []
+        self.print_summary = print_summary  # the CLI and the demo print their own table (with held-out rows)
+        self.seconds = 0.0
+        self._begin = None
 
     def paths(self) -> dict[str, Path]:
         return {name: self.output_dir / name for name in self.FILES}
 
+    def records(self) -> list[dict]:
+        path = self.paths()["metrics.jsonl"]
+        return read_jsonl(path) if path.exists() else []
+
     def on_train_begin(self, args, state, control, **kwargs):
+        self._begin = time.perf_counter()
         self.metrics.on_train_begin(args, state, control, **kwargs)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -153,6 +161,14 @@ class RunRecordCallback(TrainerCallback):
         model_name = Path(args.output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
         self.trainer.create_model_card(model_name=model_name)
         self.written.append(paths["README.md"])
+        self.seconds = time.perf_counter() - self._begin if self._begin is not None else 0.0
+        if self.print_summary:
+            from grpo_variants.console import summary_rows, summary_table
+
+            name = getattr(self.trainer, "variant_name", None) or "grpo"
+            print(summary_table(f"{name}: {state.global_step} optimizer steps", summary_rows(self.records()),
+                                self.seconds, f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})"),
+                  flush=True)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

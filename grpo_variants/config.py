@@ -134,6 +134,15 @@ class GRPOVariantConfig(GRPOConfig):
             "tools, continuous batching, a custom rollout_func)."
         },
     )
+    # ---- console ---------------------------------------------------------------------------
+    verbose: bool = field(
+        default=False,
+        metadata={
+            "help": "Print every log record as a dict (transformers' default). Off: a progress bar with a few "
+            "live metrics (or one short line per log with disable_tqdm); every metric still goes to "
+            "metrics.jsonl and report_to."
+        },
+    )
     # ---- reliability -----------------------------------------------------------------------
     save_on_signal: bool = field(
         default=True, metadata={"help": "On SIGTERM/SIGINT, write a complete checkpoint before exiting."}
@@ -147,8 +156,12 @@ class GRPOVariantConfig(GRPOConfig):
         no_cuda = not torch.cuda.is_available()
         if self.bf16 is None and no_cuda and not self.fp16:
             self.bf16 = False
-        if self.gradient_checkpointing is None:
-            self.gradient_checkpointing = not no_cuda
+        # transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns when the old
+        # name is set; TRL (and we) document the old one, so its value is passed on under the new name.
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = not no_cuda if self.gradient_checkpointing is None else bool(
+                self.gradient_checkpointing)
+            self.gradient_checkpointing = None  # transformers mirrors it from activation_checkpointing
         self._validate_batch_fields()
         try:
             super().__post_init__()

@@ -215,6 +215,18 @@ _DERIVED = frozenset({
 })
 
 
+def _tied_parameter_names(model) -> set[str]:
+    """Names of parameters that are the same tensor as another parameter (tied embeddings)."""
+    try:
+        model = model.module if hasattr(model, "module") else model
+        names = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        return {n for group in names.values() if len(group) > 1 for n in group}
+    except Exception:  # noqa: BLE001
+        return set()
+
+
 def _variant_paper(spec) -> tuple[str, str]:
     paper_id = (spec.paper if spec and spec.paper else "arXiv:2402.03300").split(":", 1)[-1].strip()
     name = spec.name if spec else "grpo"
@@ -356,6 +368,9 @@ class GRPOVariantTrainer(GRPOTrainer):
 
             self.add_callback(MFUCallback(self))
         from grpo_variants.callbacks import RunRecordCallback
+        from grpo_variants.console import install_console_callbacks
+
+        install_console_callbacks(self)  # a progress bar with live metrics instead of a dict per step
 
         # metrics.jsonl, trainer_state.json, reward_curve.png and the model card in output_dir
         self.run_record = RunRecordCallback(self)
@@ -465,6 +480,15 @@ class GRPOVariantTrainer(GRPOTrainer):
         self._generation_rounds_total = state.get("generation_rounds_total", 0)
         self._completions_generated_total = state.get("completions_generated_total", 0)
         self._kept_fraction = state.get("kept_fraction", 1.0)
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """transformers' check, without its warning when the only missing keys are tied weights (a model
+        with tied embeddings saves ``lm_head.weight`` once, as the embedding): re-tie them instead."""
+        tied = _tied_parameter_names(self.model)
+        if load_result.missing_keys and tied and set(load_result.missing_keys) <= tied:
+            self.model.tie_weights()
+            load_result = type(load_result)([], list(load_result.unexpected_keys))
+        super()._issue_warnings_after_load(load_result)
 
     # ---- model card ------------------------------------------------------------------------------
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
