@@ -109,3 +109,19 @@ def test_reward_sees_trl_batch_and_group_reward_equals_trl(tmp_path, toy_model_p
     trl_logged = [r["rewards/diversity/mean"] for r in stock.state.log_history if "rewards/diversity/mean" in r]
     assert len(ours_logged) == 2
     torch.testing.assert_close(torch.tensor(ours_logged), torch.tensor(trl_logged))
+
+
+def test_mu_grpo_smoke_run_sizes_its_stage(caplog):
+    """max_steps below one default stage: the stage is sized to the run (announced); explicit fields stay."""
+    from grpo_variants.variants.mu_grpo import MuGRPOConfig
+
+    with caplog.at_level(logging.WARNING, logger="grpo_variants.variants.mu_grpo"):
+        c = MuGRPOConfig(output_dir="unused", report_to="none", max_steps=2, per_device_train_batch_size=64)
+    assert c.updates_per_stage == 2 and c.stage_prompts * c.num_generations == 64  # one mini-batch, reused twice
+    assert c.num_iterations == 2 and c.generation_batch_size == 64
+    assert any("sizing the stage to the run" in r.getMessage() for r in caplog.records)
+    explicit = MuGRPOConfig(output_dir="unused", report_to="none", max_steps=2, per_device_train_batch_size=64,
+                            stage_prompts=16, updates_per_stage=4)
+    assert (explicit.stage_prompts, explicit.updates_per_stage) == (16, 4)
+    full = MuGRPOConfig(output_dir="unused", report_to="none", max_steps=4096)
+    assert (full.stage_prompts, full.updates_per_stage) == (1024, 1024)
