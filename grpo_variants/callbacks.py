@@ -135,6 +135,14 @@ class RunRecordCallback(TrainerCallback):
         path = self.paths()["metrics.jsonl"]
         return read_jsonl(path) if path.exists() else []
 
+    def _console_on(self) -> bool:
+        """Whether the run prints progress at all (callers that removed the progress / printer callback,
+        like the lab and the notebooks, asked for a quiet run: no summary table either)."""
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        return any(isinstance(cb, (PrinterCallback, ProgressCallback)) or "ProgressCallback" in type(cb).__name__
+                   for cb in self.trainer.callback_handler.callbacks)
+
     def on_train_begin(self, args, state, control, **kwargs):
         self._begin = time.perf_counter()
         self.metrics.on_train_begin(args, state, control, **kwargs)
@@ -162,7 +170,7 @@ class RunRecordCallback(TrainerCallback):
         self.trainer.create_model_card(model_name=model_name)
         self.written.append(paths["README.md"])
         self.seconds = time.perf_counter() - self._begin if self._begin is not None else 0.0
-        if self.print_summary:
+        if self.print_summary and self._console_on():
             from grpo_variants.console import summary_rows, summary_table
 
             name = getattr(self.trainer, "variant_name", None) or "grpo"

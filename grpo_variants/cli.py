@@ -147,7 +147,7 @@ def _read_yaml(path: str) -> dict:
 
 
 def _flag_names(argv: list[str]) -> set[str]:
-    return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+    return {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
 def _gather_repeated(argv: list[str], names=("--reward", "--reward_funcs")) -> list[str]:
