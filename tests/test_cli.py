@@ -90,7 +90,7 @@ def test_trl_grpo_style_yaml_runs(tmp_path, toy_kit, monkeypatch):
     assert "rewards/toy_accuracy/mean" in logged and "rewards/soft_overlong_punishment_reward/mean" in logged
 
 
-def test_toy_keeps_user_values_save_resume_true_and_eval_dataset(tmp_path, toy_kit, capsys):
+def test_toy_keeps_user_values_save_resume_true_and_eval_dataset(tmp_path, toy_kit, capsys, monkeypatch):
     """--model toy: no silent beta/save_strategy override (announced toy sizes only); --save_steps writes;
     --resume_from_checkpoint true resumes from the newest one; --eval_dataset is evaluated."""
     out_dir = tmp_path / "toyrun"
@@ -103,8 +103,13 @@ def test_toy_keeps_user_values_save_resume_true_and_eval_dataset(tmp_path, toy_k
     assert "--model toy: toy-sized defaults" in out and "beta" not in out.split("\n")[0]
     assert (out_dir / "checkpoint-2").is_dir()
     assert "| `beta` | `0.04` |" in (out_dir / "README.md").read_text()  # the variant's KL, not a toy 0.0
+    import transformers.trainer
+
+    warned = []
+    monkeypatch.setattr(transformers.trainer.logger, "warning", lambda msg, *a, **k: warned.append(str(msg)))
     assert main([*common, "--max_steps", "3", "--resume_from_checkpoint", "true", "--eval_dataset", str(evalset),
                  "--eval_strategy", "steps", "--eval_steps", "3"]) == 0
+    assert not [w for w in warned if "missing keys" in w], warned  # the tied lm_head is re-tied, not reported
     history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
     assert [r["step"] for r in history if "loss" in r] == [1, 2, 3]  # resumed at 2, one more step
     assert any("eval_reward" in r for r in history)
