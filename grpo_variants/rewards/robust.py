@@ -340,7 +340,7 @@ class RobustReward:
         )
 
     # ---- validation --------------------------------------------------------------------------
-    def _validate(self, out: Any, n: int) -> list:
+    def _validate(self, out: Any, n: int, batch: int | None = None) -> list:
         """Convert to a list of float/None/_Failure; wrong length raises."""
         if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
             raise RewardFunctionError(
@@ -353,7 +353,9 @@ class RobustReward:
         out = list(out)
         if len(out) != n:
             raise RewardFunctionError(
-                f"Reward function '{self.__name__}' returned {len(out)} rewards for {n} completions; it must "
+                f"Reward function '{self.__name__}' returned {len(out)} rewards for {n} completions"
+                + (f" (the {n} distinct samples of a batch of {batch}: reward_cache=True)" if batch and batch != n else "")
+                + "; it must "
                 "return exactly one value (float or None) per completion."
             )
         values: list = []
@@ -439,7 +441,7 @@ class RobustReward:
                 self._account(n, n, 0, 0, n - m, [], time.perf_counter() - t0)
                 raise
         else:
-            values = self._validate(res, m)  # wrong length raises here
+            values = self._validate(res, m, n)  # wrong length raises here
             if any(isinstance(v, _Failure) for v in values) and self.on_error == "raise":
                 j = next(k for k, v in enumerate(values) if isinstance(v, _Failure))
                 self._account(n, n, 0, 0, n - m, [], time.perf_counter() - t0)
