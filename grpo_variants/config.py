@@ -153,15 +153,12 @@ class GRPOVariantConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._checkpointing_under_its_new_name()
         no_cuda = not torch.cuda.is_available()
         if self.bf16 is None and no_cuda and not self.fp16:
             self.bf16 = False
-        # transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns when the old
-        # name is set; TRL (and we) document the old one, so its value is passed on under the new name.
-        if self.activation_checkpointing is None:
-            self.activation_checkpointing = not no_cuda if self.gradient_checkpointing is None else bool(
-                self.gradient_checkpointing)
-            self.gradient_checkpointing = None  # transformers mirrors it from activation_checkpointing
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = not no_cuda
         self._validate_batch_fields()
         try:
             super().__post_init__()
@@ -172,6 +169,14 @@ class GRPOVariantConfig(GRPOConfig):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         self._validate_variant_fields()
+
+    def _checkpointing_under_its_new_name(self) -> None:
+        """transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns when only the old
+        name is set; TRL (and we) document the old one, so its value is passed on under the new name (None: on
+        with CUDA, off without). transformers then mirrors the old name from the new one."""
+        if self.activation_checkpointing is None:
+            gc = self.gradient_checkpointing
+            self.activation_checkpointing = torch.cuda.is_available() if gc is None else bool(gc)
 
     def _validate_batch_fields(self) -> None:
         """Check the generation-batch arithmetic before TRL does (TRL raises a bare ValueError).

@@ -29,8 +29,8 @@ numeric answers never reach sympy; it decides which gold answers are *unparsable
 brackets, a dangling operator such as ``x+``): the reward returns None (missing) for that sample
 instead of a misleading 0; and it keeps math accuracy working if math_verify fails to import. Where
 the two differ, the fallback is stricter: on those 39 pairs they disagreed on 9, all of them pairs
-math_verify accepts and the fallback does not (sets ``\{1,2\}`` = ``\{2,1\}``, an interval after
-``x\in``, ``\sin(\pi/3)``, ``\log_2 8``, ``\binom{5}{2}``, ``5!``, ``12\%`` = ``0.12``, ``\$5``,
+math_verify accepts and the fallback does not (sets ``\\{1,2\\}`` = ``\\{2,1\\}``, an interval after
+``x\\in``, ``\\sin(\\pi/3)``, ``\\log_2 8``, ``\\binom{5}{2}``, ``5!``, ``12\\%`` = ``0.12``, ``\\$5``,
 ``x=2, y=3`` = ``(2,3)``); no pair was accepted by the fallback alone.
 """
 
