@@ -30,6 +30,7 @@ from grpo_variants.errors import (
 from grpo_variants.registry import VariantSpec, get_variant, list_variants, register_variant
 from grpo_variants.rewards.registry import get_reward, list_rewards, reward
 from grpo_variants.trainer import GRPOVariantTrainer
+from grpo_variants import variants as _variants  # noqa: E402  (registers the built-in variants)
 
 __version__ = "0.1.0"
 
@@ -58,9 +59,7 @@ __all__ = [
 
 
 def __getattr__(name):
-    # Variant classes (DAPOTrainer, DAPOConfig, ...) are importable from the top level, loaded lazily.
-    import grpo_variants.variants as _variants
-
+    # Variant classes (DAPOTrainer, DAPOConfig, ...) are importable from the top level.
     if hasattr(_variants, name):
         return getattr(_variants, name)
     raise AttributeError(f"module 'grpo_variants' has no attribute {name!r}")

@@ -21,6 +21,7 @@ import torch
 from trl import GRPOConfig
 
 from grpo_variants.errors import ConfigError
+from grpo_variants.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
 
 # TRL loss_type -> our aggregation name (the loss types whose policy term we compose ourselves)
 TRL_LOSS_TYPE_TO_AGGREGATION = {
@@ -233,8 +234,6 @@ class GRPOVariantConfig(GRPOConfig):
             )
 
     def _validate_variant_fields(self) -> None:
-        from grpo_variants.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS  # local: avoid import cycle
-
         def check(name, value, allowed):
             if value is not None and value not in allowed:
                 raise ConfigError(f"{name}={value!r} is not valid; choose one of {sorted(allowed)}.")

@@ -75,7 +75,7 @@ __all__ = [
     "MFUCallback",
 ]
 
-# The recipe every arm shares on the toy task (see shared/spec/TOY-FEASIBILITY.md): lr 1e-4 with a
+# The recipe every arm shares on the toy task (measured on the 1M-parameter toy policy): lr 1e-4 with a
 # constant schedule learns; 1e-6 (the papers' value for 7B+ models) does not move a 1M-parameter policy.
 TOY_CONFIG: dict = dict(
     per_device_train_batch_size=128,  # completions per optimizer step (16 prompts x 8)
@@ -618,7 +618,7 @@ def compare(
         "stop": stop,
         "eval_every": eval_every,
         "eval_problems": len(eval_dataset) if eval_dataset is not None else None,
-        "model": str(model),
+        "model": _portable_model_name(model),
         "shared_config": {k: _jsonable(v) for k, v in common.items()},
         "overrides": {k: {kk: _jsonable(vv) for kk, vv in v.items()} for k, v in overrides.items()},
         "arms": arm_meta,
@@ -644,6 +644,19 @@ _CONFIG_KEYS = (
     "per_device_train_batch_size", "num_generations", "max_completion_length", "temperature", "steps_per_generation",
     "num_iterations", "generation_batch_size", "mask_truncated_completions", "veto_scope", "fipo", "weight_decay",
 )
+
+
+def _portable_model_name(model) -> str:
+    """The model as recorded in a result: a toy-cache folder relative to the cache, so committed results
+    name no path of the machine that produced them; anything else (a hub id, a user's folder) as given."""
+    from grpo_variants.toy import cache_dir
+
+    text = str(model)
+    try:
+        relative = Path(text).resolve().relative_to(cache_dir().resolve())
+    except (ValueError, OSError):
+        return text
+    return f"$GRPO_VARIANTS_CACHE/{relative.as_posix()}"
 
 
 def _jsonable(value):

@@ -2,7 +2,8 @@
 
 In the style of verl's ``core_algos.py``: small pure tensor functions, each with its formula in
 the docstring, registered by name so configs select them. No trainer state, no accelerate, no
-globals besides the registries. The contract is ``/work/shared/spec/ALGORITHMS.md``.
+globals besides the registries. The math of every function, and of the variants built from them, is
+explained in ``docs/algorithms.md``.
 
 Shapes: ``B`` sequences, ``T`` completion tokens. ``mask`` is (B, T) with 0/1 values (float, long
 or bool). Log-probs are (B, T). ``advantages`` may be (B,), (B, 1) or (B, T) (per-token

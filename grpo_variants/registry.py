@@ -3,6 +3,11 @@
 ``get_variant("dapo")`` returns a :class:`VariantSpec` whose ``trainer_cls`` / ``config_cls`` the
 CLI, the lab and user code instantiate. Variants register themselves with
 :func:`register_variant` on their trainer class.
+
+This module is only the table: it imports no variant. The built-in variants are registered when the
+package is imported (``grpo_variants/__init__.py`` imports :mod:`grpo_variants.variants`, and Python
+runs a package's ``__init__`` before any of its modules), so the table is complete whenever
+:func:`get_variant` can be called, and ``registry`` -> ``variants`` -> ``registry`` is not a cycle.
 """
 
 from __future__ import annotations
@@ -41,13 +46,8 @@ def register_variant(name: str, *, description: str, paper: str = ""):
     return decorator
 
 
-def _load_builtins() -> None:
-    import grpo_variants.variants  # noqa: F401  (importing registers every built-in variant)
-
-
 def get_variant(name: str) -> VariantSpec:
     """The registered variant ``name``; :class:`UnknownVariantError` lists the known names otherwise."""
-    _load_builtins()
     key = name.strip().lower().replace("-", "_").replace("µ", "mu").replace("μ", "mu")
     if key not in _VARIANTS:
         raise UnknownVariantError(
@@ -59,5 +59,4 @@ def get_variant(name: str) -> VariantSpec:
 
 def list_variants() -> list[VariantSpec]:
     """All registered variants, sorted by name."""
-    _load_builtins()
     return [_VARIANTS[k] for k in sorted(_VARIANTS)]

@@ -17,7 +17,7 @@ answer, else 0 (or -1 with ``make_toy_accuracy(wrong=-1.0)``).
 The warm start is a short supervised run (plain PyTorch, loss on the answer tokens only) that
 stops as soon as held-out greedy accuracy enters a target band (default 20-45%), so that GRPO
 starts with a real but unsaturated signal: at 0% or 100% every group has zero reward variance
-and nothing can be learned or compared (see ``shared/spec/TOY-FEASIBILITY.md``).
+and nothing can be learned or compared.
 """
 
 from __future__ import annotations

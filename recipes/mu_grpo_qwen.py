@@ -8,7 +8,7 @@ negative-advantage veto over the critical harmful set H_kappa (trigger threshold
 Reported: at equal accuracy, 1.82x faster rollouts and 1.53x faster end to end (Qwen3-Base-8B
 58.2 h -> 25.9 h).
 
-Our choices where the paper (as summarised in shared/spec/ALGORITHMS.md) is silent: the prompt set
+Our choices where the paper (see docs/algorithms.md, µ-GRPO) is silent: the prompt set
 (DAPO-Math-17k, math_accuracy 1 / 0), 8 samples per prompt, an update of 256 completions (32 prompts),
 a stage of 4,096 prompts (32,768 completions = 128 mini-batches, each used 8 times over the stage's
 1,024 updates: 16,384 prompts in all, about one pass over the data set), lr 1e-6 constant, no KL

@@ -628,12 +628,12 @@ def test_veto_uses_token_ratio_at_sequence_level():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Equivalence with TRL 1.16 _compute_loss, re-derived independently from ALGORITHMS.md
+# Equivalence with TRL 1.16 _compute_loss, re-derived independently from docs/algorithms.md
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def reference_trl_loss(loss_type, level, logp, old, adv, mask, beta, ref, eps_low, eps_high, delta, num_items, L):
-    """Independent re-derivation (formulas of ALGORITHMS.md, TRL 1.16 conventions)."""
+    """Independent re-derivation (formulas of docs/algorithms.md, TRL 1.16 conventions)."""
     m = mask.to(logp.dtype)
     lr = logp - old
     if level == "sequence":

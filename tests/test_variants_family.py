@@ -1,4 +1,4 @@
-"""GRPO, Dr.GRPO, GSPO, GSPO-token and FIPO: each loss equals its ALGORITHMS.md formula, each trains.
+"""GRPO, Dr.GRPO, GSPO, GSPO-token and FIPO: each loss equals its docs/algorithms.md formula, each trains.
 
 The formula tests build one micro-batch by hand, call ``trainer._compute_loss`` and compare the
 loss AND the parameter gradients with the spec's formula, written out here from the model's own
@@ -216,7 +216,7 @@ def test_gspo_token_with_per_token_advantages(toy_model_path, small_train_datase
 # FIPO
 # ---------------------------------------------------------------------------------------------------------------
 def fipo_weights_loop(logp, old, mask, adv, tau=32.0, c=10.0, low=1.0, high=1.2, safety=10.0):
-    """Direct transcription of ALGORITHMS.md (FIPO), one token at a time, in float64 Python numbers."""
+    """Direct transcription of docs/algorithms.md (FIPO), one token at a time, in float64 Python numbers."""
     rows, cols = logp.shape
     adv = adv.double().reshape(rows, -1).expand(rows, cols).tolist()
     delta = (logp.double() - old.double()).clamp(-20, 20).tolist()

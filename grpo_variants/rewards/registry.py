@@ -7,6 +7,12 @@ A reward is any callable with TRL's signature::
 Register it with ``@reward("my_reward", "one-line description")``; look it up with
 :func:`get_reward`. Registered names, TRL's script names (``accuracy_reward``, ...) and dotted
 import paths are what ``grpo-variants train --reward NAME`` (or ``--reward_funcs``) accepts.
+
+This module is only the table and imports no reward. The built-ins register themselves when the
+package is imported: ``grpo_variants.rewards`` imports :mod:`~grpo_variants.rewards.builtin`, and
+``grpo_variants`` imports :mod:`grpo_variants.toy` (the toy task's rewards); Python runs both packages'
+``__init__`` before this module, so the table is complete whenever :func:`get_reward` can be called.
+TRL's rewards and dotted paths are imported only when asked for by name.
 """
 
 from __future__ import annotations
@@ -83,7 +89,6 @@ def get_reward(name: str) -> RewardFn:
 
     Raises :class:`UnknownRewardError` naming the known ones otherwise.
     """
-    _load_builtins()
     if name in _REWARDS:
         return _REWARDS[name].func
     if name in TRL_SCRIPT_REWARDS:
@@ -102,11 +107,4 @@ def get_reward(name: str) -> RewardFn:
 
 def list_rewards() -> list[RewardSpec]:
     """All registered rewards, sorted by name."""
-    _load_builtins()
     return [_REWARDS[k] for k in sorted(_REWARDS)]
-
-
-def _load_builtins() -> None:
-    # Importing these modules registers the built-in rewards.
-    import grpo_variants.rewards.builtin  # noqa: F401
-    import grpo_variants.toy  # noqa: F401

@@ -1,6 +1,6 @@
 """DAPO — Decoupled Clip and Dynamic sAmpling Policy Optimization (Yu et al., 2025, arXiv:2503.14476).
 
-What it computes (``shared/spec/ALGORITHMS.md``, "DAPO"):
+What it computes (``docs/algorithms.md``, "DAPO"):
 
 * **Clip-Higher**: eps_low = 0.2, eps_high = 0.28, plus the dual clip of verl's DAPO reference
   recipe (``clip_ratio_c = 10``: for A < 0 the per-token loss is bounded by -c A; None disables it).

@@ -1,6 +1,6 @@
 """Dr.GRPO — "Understanding R1-Zero-Like Training: A Critical Perspective" (Liu et al., 2025, arXiv:2503.20783).
 
-What it changes relative to GRPO (``shared/spec/ALGORITHMS.md``, "Dr.GRPO"): it removes GRPO's two
+What it changes relative to GRPO (``docs/algorithms.md``, "Dr.GRPO"): it removes GRPO's two
 optimisation biases.
 
 * advantage: group mean only, A_i = R_i - mean_g R (no division by the group std, which up-weights

@@ -1,6 +1,6 @@
 """FIPO — Future-KL Influenced Policy Optimization (arXiv:2603.19835).
 
-What it changes relative to DAPO (``shared/spec/ALGORITHMS.md``, "FIPO"): each token's advantage is
+What it changes relative to DAPO (``docs/algorithms.md``, "FIPO"): each token's advantage is
 re-weighted by how much the policy has already moved on the tokens that follow it.
 
 * delta_t = clamp(log pi_theta - log pi_old, -20, 20); M'_t excludes tokens with delta_t > log c;

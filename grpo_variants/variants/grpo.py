@@ -1,6 +1,6 @@
 """GRPO — Group Relative Policy Optimization (DeepSeekMath, Shao et al., 2024, arXiv:2402.03300).
 
-What it computes (``shared/spec/ALGORITHMS.md``, "GRPO"):
+What it computes (``docs/algorithms.md``, "GRPO"):
 
 * advantage: group-std, A_i = (R_i - mean_g R) / (std_g R + 1e-4);
 * ratio: per token, r = pi_theta / pi_old, symmetric clip eps = 0.2;

@@ -1,6 +1,6 @@
 """GSPO — Group Sequence Policy Optimization (Zheng et al., Qwen team, 2025, arXiv:2507.18071).
 
-What it changes relative to GRPO (``shared/spec/ALGORITHMS.md``, "GSPO"):
+What it changes relative to GRPO (``docs/algorithms.md``, "GSPO"):
 
 * ratio: one importance ratio per sequence, the geometric mean of the token ratios,
   s_i = exp( sum_t M log r_{i,t} / sum_t M ), clipped at the sequence level;
@@ -79,7 +79,7 @@ class GSPOConfig(GRPOVariantConfig):
             raise ConfigError(
                 f"{self.variant or 'gspo'} needs the per-sequence mean (aggregation='seq_mean_token_mean'); got "
                 f"aggregation={self.aggregation!r} (loss_type={self.loss_type!r}). A sequence ratio with a token-sum "
-                "aggregation weights each sequence by its length (ALGORITHMS.md, GSPO pitfall)."
+                "aggregation weights each sequence by its length (docs/algorithms.md, GSPO)."
             )
         if self.resolved_ratio_level != self.required_ratio_level:
             raise ConfigError(

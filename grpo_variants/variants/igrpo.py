@@ -1,6 +1,6 @@
 """iGRPO — Iterative GRPO with self-feedback (Hatamizadeh et al., NVIDIA, 2026, arXiv:2602.09000).
 
-What it computes (``shared/spec/ALGORITHMS.md``, "iGRPO"), for every prompt q of a rollout:
+What it computes (``docs/algorithms.md``, "iGRPO"), for every prompt q of a rollout:
 
 * Stage 1 (no gradient): sample ``num_drafts`` = N drafts from pi_old(.|q), score them with the
   *same* reward functions and weights used for training, and keep the best draft d (highest total

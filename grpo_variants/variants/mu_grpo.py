@@ -2,7 +2,7 @@
 Efficient LLM Reinforcement Learning", arXiv:2605.17570, May 2026; no public code).
 
 µ = optimizer updates per rollout refresh. Training is a few large *stages* (the paper: 4 stages x
-µ = 1,024 updates instead of 1,024 refreshes). A stage (``shared/spec/ALGORITHMS.md``, "µ-GRPO"):
+µ = 1,024 updates instead of 1,024 refreshes). A stage (``docs/algorithms.md``, "µ-GRPO"):
 
 1. freeze the policy as the behaviour policy pi_behav;
 2. sample G completions for each of ``stage_prompts`` prompts (in ``generation_chunk_prompts``
@@ -36,7 +36,7 @@ stage in float32), and the training loader fetches and moves a stage's prompt ro
 every update (``GRPOVariantTrainer.get_train_dataloader``). With vLLM, TRL computes the behaviour
 log-probs itself (one forward pass per sequence, as it does for on-policy GRPO with vLLM).
 
-Choices where the paper is silent (ALGORITHMS.md): veto threshold 1e-4; loss aggregation GRPO's
+Choices where the paper is silent (``docs/algorithms.md``): veto threshold 1e-4; loss aggregation GRPO's
 seq-mean-token-mean; no KL term (beta = 0).
 """
 
