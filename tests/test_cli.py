@@ -159,3 +159,13 @@ def test_ctrl_c_prints_checkpoint_and_resume_command(tmp_path, toy_kit, monkeypa
     assert f"checkpoint saved at {out_dir / 'checkpoint-2'}" in err
     assert "resume with: grpo-variants train" in err and f"--resume_from_checkpoint {out_dir / 'checkpoint-2'}" in err
     assert "Traceback" not in err
+
+
+def test_verbose_restores_the_per_step_dicts(tmp_path, toy_model_path, capsys):
+    common = ["train", "--model", "toy", "--dataset", "toy", "--max_steps", "1", *TINY, "--toy_eval", "false",
+              "--disable_tqdm", "true"]
+    assert main([*common, "--output_dir", str(tmp_path / "quiet")]) == 0
+    quiet = capsys.readouterr().out
+    assert "'grad_norm'" not in quiet and "step 1/1" in quiet and "1 optimizer steps" in quiet
+    assert main([*common, "--output_dir", str(tmp_path / "loud"), "--verbose"]) == 0
+    assert "'grad_norm'" in capsys.readouterr().out
