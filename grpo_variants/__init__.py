@@ -5,7 +5,11 @@
 Variants: grpo, dapo, dr_grpo, gspo, gspo_token, mu_grpo, igrpo, fipo (``list_variants()``).
 """
 
-from grpo_variants.distributed import install_cpu_distributed_shim
+from grpo_variants.noise import install_noise_filters
+
+install_noise_filters()  # before DeepSpeed / torch are imported (see grpo_variants.noise)
+
+from grpo_variants.distributed import install_cpu_distributed_shim  # noqa: E402
 
 install_cpu_distributed_shim()  # no-op unless a launcher started us on a machine without CUDA
 

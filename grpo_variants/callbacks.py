@@ -1,5 +1,6 @@
-"""Trainer callbacks: metrics to JSONL, held-out evaluation on the toy task, curve plots, a generation
-budget (:class:`GenerationBudgetCallback`) and model FLOPs utilisation (:class:`MFUCallback`, CUDA only)."""
+"""Trainer callbacks: metrics to JSONL, the record every run leaves (:class:`RunRecordCallback`), held-out
+evaluation on the toy task, curve plots, a generation budget (:class:`GenerationBudgetCallback`) and model
+FLOPs utilisation (:class:`MFUCallback`, CUDA only)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ class MetricsJSONLCallback(TrainerCallback):
     keeps increasing, so a curve read back is continuous.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, fresh_on_new_run: bool = False):
         self.path = Path(path)
+        self.fresh_on_new_run = fresh_on_new_run
         self._start = None
         self._offset = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._start = time.perf_counter()
+        if self.fresh_on_new_run and state.is_world_process_zero and state.global_step == 0 and self.path.exists():
+            self.path.unlink()  # a new run (not a resume) in a used folder: start a new record
         if state.is_world_process_zero and self.path.exists():
             # resume: continue the wall clock where the previous run's last record stopped
             for line in self.path.read_text().splitlines():
@@ -102,13 +106,93 @@ class ToyEvalCallback(TrainerCallback):
             state._toy_accuracy = None
 
 
+class RunRecordCallback(TrainerCallback):
+    """The record every run leaves in ``output_dir`` (installed by ``GRPOVariantTrainer``).
+
+    During training every log record is appended to ``metrics.jsonl`` (whatever ``report_to``
+    says; a new run in a used folder starts a new file, a resumed one continues it). When
+    training ends, the main process writes ``trainer_state.json`` (the full log history),
+    ``reward_curve.png`` (mean reward, and accuracy where one is logged) and ``README.md``, the
+    model card naming the variant, its paper and the non-default hyper-parameters
+    (``trainer.create_model_card``). ``paths()`` lists them.
+    """
+
+    FILES = ("metrics.jsonl", "trainer_state.json", "reward_curve.png", "README.md")
+
+    def __init__(self, trainer, print_summary: bool = True):
+        self.trainer = trainer
+        self.output_dir = Path(trainer.args.output_dir)
+        self.metrics = MetricsJSONLCallback(self.output_dir / "metrics.jsonl", fresh_on_new_run=True)
+        self.written: list[Path] = []
+        self.print_summary = print_summary  # the CLI and the demo print their own table (with held-out rows)
+        self.seconds = 0.0
+        self._begin = None
+
+    def paths(self) -> dict[str, Path]:
+        return {name: self.output_dir / name for name in self.FILES}
+
+    def records(self) -> list[dict]:
+        path = self.paths()["metrics.jsonl"]
+        return read_jsonl(path) if path.exists() else []
+
+    def _console_on(self) -> bool:
+        """Whether the run prints progress at all (callers that removed the progress / printer callback,
+        like the lab and the notebooks, asked for a quiet run: no summary table either)."""
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        return any(isinstance(cb, (PrinterCallback, ProgressCallback)) or "ProgressCallback" in type(cb).__name__
+                   for cb in self.trainer.callback_handler.callbacks)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._begin = time.perf_counter()
+        self.metrics.on_train_begin(args, state, control, **kwargs)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.metrics.on_log(args, state, control, logs=logs, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        import logging
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        paths = self.paths()
+        state.save_to_json(str(paths["trainer_state.json"]))
+        self.written = [paths["metrics.jsonl"], paths["trainer_state.json"]]
+        try:
+            records = read_jsonl(paths["metrics.jsonl"]) if paths["metrics.jsonl"].exists() else []
+            name = getattr(self.trainer, "variant_name", None) or "grpo"
+            plot_reward_curve(records, paths["reward_curve.png"], title=f"{name}: reward during training")
+            self.written.append(paths["reward_curve.png"])
+        except Exception as exc:  # noqa: BLE001 - a missing plot must not lose a finished run
+            logging.getLogger(__name__).warning("reward_curve.png not written: %s", exc)
+        model_name = Path(args.output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
+        self.trainer.create_model_card(model_name=model_name)
+        self.written.append(paths["README.md"])
+        self.seconds = time.perf_counter() - self._begin if self._begin is not None else 0.0
+        if self.print_summary and self._console_on():
+            from grpo_variants.console import summary_rows, summary_table
+
+            name = getattr(self.trainer, "variant_name", None) or "grpo"
+            print(summary_table(f"{name}: {state.global_step} optimizer steps", summary_rows(self.records()),
+                                self.seconds, f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})"),
+                  flush=True)
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """Read a ``metrics.jsonl`` file written by :class:`MetricsJSONLCallback`."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def _accuracy_keys(records: list[dict]) -> list[str]:
+    """Logged per-reward means whose reward is an accuracy (``rewards/<name>/mean`` with 'acc' in the name)."""
+    keys = {k for r in records for k in r if k.startswith("rewards/") and k.endswith("/mean") and "acc" in k}
+    return sorted(keys)
+
+
 def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str = "Reward during training") -> Path:
-    """Plot mean reward (and held-out accuracy if logged) against optimizer step to a PNG."""
+    """Plot mean reward, training accuracy (per-reward means of accuracy rewards) and held-out accuracy
+    (``eval_toy_accuracy`` if logged) against optimizer step to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,18 +202,35 @@ def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str =
     rewards = [r["reward"] for r in records if r.get("reward") is not None]
     acc = [(r["step"], r["eval_toy_accuracy"]) for r in records if r.get("eval_toy_accuracy") is not None]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, rewards, label="mean reward (train rollouts)", color="tab:blue", alpha=0.8)
+    lines = []
+    same_as_reward = None
+    for key in _accuracy_keys(records):
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if not points:
+            continue
+        if [a for _, a in points] == rewards:  # the only reward: the reward line is its training accuracy
+            same_as_reward = key.split("/")[1]
+        else:
+            lines.append((points, f"training accuracy ({key.split('/')[1]})"))
+    label = ("mean reward = training accuracy" + f" ({same_as_reward})" if same_as_reward
+             else "mean reward (train rollouts)")
+    ax.plot(steps, rewards, label=label, color="tab:blue", alpha=0.8)
+    for points, acc_label in lines:
+        ax.plot([s for s, _ in points], [a for _, a in points], "--", label=acc_label, alpha=0.7)
     if acc:
         ax.plot([s for s, _ in acc], [a for _, a in acc], "o-", label="held-out greedy accuracy", color="tab:red")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(-0.02, 1.02)
+    values = rewards + [a for _, a in acc]
+    if not values or (min(values) >= 0.0 and max(values) <= 1.0):
+        ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best", framealpha=0.85)
     ax.set_title(title)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.1, right=0.97, top=0.91, bottom=0.12)  # fixed margins: tight_layout costs ~0.2 s
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 

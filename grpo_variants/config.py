@@ -96,17 +96,33 @@ class GRPOVariantConfig(GRPOConfig):
     )
     # ---- rewards ---------------------------------------------------------------------------
     reward_timeout: float | None = field(
-        default=60.0, metadata={"help": "Seconds one reward call may take before it is abandoned (None: no limit)."}
+        default=None,
+        metadata={
+            "help": "Seconds one reward call may take before it is stopped (None: no limit, as in TRL). A call "
+            "running longer than reward_warn_after logs a warning either way."
+        },
+    )
+    reward_warn_after: float | None = field(
+        default=60.0,
+        metadata={"help": "Log a warning when one reward call is still running after this many seconds (None: never)."},
     )
     reward_isolation: str = field(
-        default="thread", metadata={"help": "How reward calls run: thread (timeout) | process (killable) | none."}
+        default="thread",
+        metadata={
+            "help": "How reward calls run when reward_timeout is set: thread (abandoned on timeout) | process "
+            "(killed on timeout) | none (no timeout). Without a timeout calls run in the caller's thread, as in TRL."
+        },
     )
     reward_on_error: str = field(
         default="raise",
         metadata={"help": "raise: a crashing reward stops training with a clear error; none: the value is missing."},
     )
     reward_cache: bool = field(
-        default=True, metadata={"help": "Score identical completions of a group once (deterministic rewards)."}
+        default=False,
+        metadata={
+            "help": "Opt-in: score identical samples of one call once. The reward function then sees the batch "
+            "with duplicates removed (not TRL's batch): only for deterministic per-sample rewards."
+        },
     )
     # ---- rollout ---------------------------------------------------------------------------
     behaviour_logprobs: str = field(
@@ -119,6 +135,15 @@ class GRPOVariantConfig(GRPOConfig):
             "tools, continuous batching, a custom rollout_func)."
         },
     )
+    # ---- console ---------------------------------------------------------------------------
+    verbose: bool = field(
+        default=False,
+        metadata={
+            "help": "Print every log record as a dict (transformers' default). Off: a progress bar with a few "
+            "live metrics (or one short line per log with disable_tqdm); every metric still goes to "
+            "metrics.jsonl and report_to."
+        },
+    )
     # ---- reliability -----------------------------------------------------------------------
     save_on_signal: bool = field(
         default=True, metadata={"help": "On SIGTERM/SIGINT, write a complete checkpoint before exiting."}
@@ -129,6 +154,7 @@ class GRPOVariantConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._checkpointing_under_its_new_name()
         no_cuda = not torch.cuda.is_available()
         if self.bf16 is None and no_cuda and not self.fp16:
             self.bf16 = False
@@ -144,6 +170,14 @@ class GRPOVariantConfig(GRPOConfig):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         self._validate_variant_fields()
+
+    def _checkpointing_under_its_new_name(self) -> None:
+        """transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns when only the old
+        name is set; TRL (and we) document the old one, so its value is passed on under the new name (None: on
+        with CUDA, off without). transformers then mirrors the old name from the new one."""
+        if self.activation_checkpointing is None:
+            gc = self.gradient_checkpointing
+            self.activation_checkpointing = torch.cuda.is_available() if gc is None else bool(gc)
 
     def _validate_batch_fields(self) -> None:
         """Check the generation-batch arithmetic before TRL does (TRL raises a bare ValueError).

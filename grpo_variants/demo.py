@@ -5,8 +5,12 @@
 1. builds (or reuses) the warm-started toy policy (a tiny Qwen2 model saved to disk);
 2. measures held-out greedy accuracy on 500 unseen problems;
 3. trains it with GRPO (group-std advantage, clip 0.2, seq-mean-token-mean, k3 KL);
-4. measures held-out accuracy again, and writes ``metrics.jsonl``, ``reward_curve.png`` and
-   ``summary.json`` to the output folder.
+4. measures held-out accuracy again, and writes the run's record to the output folder:
+   ``metrics.jsonl``, ``trainer_state.json``, ``reward_curve.png``, ``README.md`` (model card),
+   ``summary.json`` and the trained model in ``final_model/``.
+
+The console shows a progress bar with a few live metrics and a summary table at the end;
+``--verbose`` prints every log record as a dict instead (transformers' default).
 """
 
 from __future__ import annotations
@@ -26,19 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval_every", type=int, default=20)
+    parser.add_argument("--verbose", action="store_true", help="print every log record (a dict per step)")
     args = parser.parse_args(argv)
 
     import torch
+    from transformers.utils import logging as hf_logging
 
     from grpo_variants import get_variant, toy
-    from grpo_variants.callbacks import MetricsJSONLCallback, ToyEvalCallback, plot_reward_curve, read_jsonl
+    from grpo_variants.callbacks import ToyEvalCallback, plot_reward_curve, read_jsonl
+    from grpo_variants.console import summary_table
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    if metrics_path.exists():
-        metrics_path.unlink()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
+    if not args.verbose:
+        hf_logging.disable_progress_bar()  # the toy model loads and saves in milliseconds: no bars for that
 
     print("== grpo-variants demo: toy arithmetic (two-digit addition), CPU only, no downloads ==")
     started = time.perf_counter()
@@ -46,12 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = kit.tokenizer
     print(f"toy policy: {kit.model_path} (warm start: {kit.warmstart.get('steps')} supervised steps)")
     before = toy.evaluate(kit.model_path, kit.eval_dataset)
-    print(f"held-out greedy accuracy BEFORE GRPO: {before:.1%} on {len(kit.eval_dataset)} unseen problems")
-    metrics_path.write_text(json.dumps({"step": 0, "wall_seconds": 0.0, "eval_toy_accuracy": before}) + "\n")
+    n_eval = len(kit.eval_dataset)
+    print(f"held-out greedy accuracy before {args.variant}: {before:.1%} on {n_eval} unseen problems")
 
     spec = get_variant(args.variant)
     config = spec.config_cls(
-        output_dir=str(out / "checkpoints"),
+        output_dir=str(out),
         max_steps=args.max_steps,
         per_device_train_batch_size=256,  # completions per step: 32 prompts x 8
         num_generations=8,
@@ -66,33 +72,41 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         bf16=False,
         gradient_checkpointing=False,
+        verbose=args.verbose,
     )
     trainer = spec.trainer_cls(
         model=kit.model_path,
         reward_funcs="toy_accuracy",
         args=config,
         train_dataset=kit.train_dataset,
-        callbacks=[
-            ToyEvalCallback(kit.eval_dataset, tokenizer, every=args.eval_every),
-            MetricsJSONLCallback(metrics_path),
-        ],
+        callbacks=[ToyEvalCallback(kit.eval_dataset, tokenizer, every=args.eval_every)],
     )
+    trainer.run_record.print_summary = False  # one table below, with the held-out rows
     trainer.train()
     after = toy.evaluate(trainer.model, kit.eval_dataset, tokenizer)
     trainer.save_model(str(out / "final_model"))
-    records = read_jsonl(metrics_path)
-    plot_path = plot_reward_curve(records, out / "reward_curve.png", title=f"{spec.name} on the toy task")
+    paths = trainer.run_record.paths()
+    # the record starts at step 0 with the starting model's held-out accuracy, and the plot shows it
+    records = [{"step": 0, "wall_seconds": 0.0, "eval_toy_accuracy": before}] + read_jsonl(paths["metrics.jsonl"])
+    paths["metrics.jsonl"].write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot_reward_curve(records, paths["reward_curve.png"], title=f"{spec.name} on the toy task")
+    seconds = round(time.perf_counter() - started, 1)
     summary = {
         "variant": spec.name,
         "heldout_accuracy_before": before,
         "heldout_accuracy_after": after,
-        "heldout_problems": len(kit.eval_dataset),
+        "heldout_problems": n_eval,
         "max_steps": args.max_steps,
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": seconds,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"held-out greedy accuracy AFTER GRPO:  {after:.1%}  (before: {before:.1%})")
-    print(f"wrote {metrics_path}, {plot_path}, {out / 'summary.json'} in {summary['seconds']} s")
+    train_rewards = [r["reward"] for r in records if r.get("reward") is not None]
+    rows = [(f"held-out greedy accuracy ({n_eval} problems)", f"{before:.1%}", f"{after:.1%}")]
+    if train_rewards:
+        rows.append(("mean training reward (first / last step)", f"{train_rewards[0]:.3f}", f"{train_rewards[-1]:.3f}"))
+    print(summary_table(f"== {spec.name}: {trainer.state.global_step} steps of 256 completions ==", rows, seconds,
+                        f"{out}/ (metrics.jsonl, reward_curve.png, summary.json, README.md, final_model/)",
+                        head=("before", "after")))
     return 0
 
 

@@ -397,11 +397,15 @@ class WarmStartConfig:
     seed: int = 0  # the problem split: the same as the RL datasets', so the warm start never sees an eval problem
     init_seed: int = field(default_factory=toy_seed)  # model init and batch order: $GRPO_VARIANTS_TOY_SEED
     probe_size: int = 200  # warm-start problems held back to decide when to stop (not the RL eval split)
+    conversational: bool = False  # train (and probe) on prompts rendered with the chat template
     model: ToyModelConfig = field(default_factory=ToyModelConfig)
     version: int = 3  # bump to invalidate caches when the recipe changes (3: replay past an overshoot, init_seed)
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True)
+        fields_ = asdict(self)
+        if not fields_["conversational"]:
+            del fields_["conversational"]  # plain-format caches keep the key they had before the field existed
+        blob = json.dumps(fields_, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -543,8 +547,9 @@ def warm_start(
     model = build_model(tokenizer, config.model, seed=config.init_seed)
     model.train()
     device = torch.device("cpu")
-    rows_ds = make_dataset(config.task, "warmstart", difficulty=config.difficulty, seed=config.seed)
-    rows = list(zip(rows_ds["prompt"], rows_ds["answer"], strict=True))
+    rows_ds = make_dataset(config.task, "warmstart", difficulty=config.difficulty, seed=config.seed,
+                           conversational=config.conversational)
+    rows = list(zip([_render(p, tokenizer) for p in rows_ds["prompt"]], rows_ds["answer"], strict=True))
     rows = rows[config.probe_size :]  # the first probe_size problems only decide when to stop
     probe_ds = rows_ds.select(range(config.probe_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
@@ -640,10 +645,15 @@ def prepare(
 ) -> ToyKit:
     """Build (or reuse) the warm-started toy policy and the datasets for ``task``.
 
+    With ``conversational=True`` the prompts are one-message conversations and the warm start is
+    trained on them rendered with the toy chat template (``<user>37+45=<assistant>``), as TRL renders
+    them for generation; it is cached separately from the plain-format policy.
+
     With ``warm=False`` the model is randomly initialised (still saved and loaded by path).
     """
     if warm:
-        path = warm_start(config=WarmStartConfig(task=task, difficulty=difficulty, seed=seed), verbose=verbose)
+        path = warm_start(config=WarmStartConfig(task=task, difficulty=difficulty, seed=seed,
+                                                 conversational=conversational), verbose=verbose)
         meta = json.loads((path / "warmstart.json").read_text())
     else:
         path = cache_dir() / "toy" / f"random-seed{seed}"

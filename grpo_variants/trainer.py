@@ -10,7 +10,7 @@ The trainer wraps TRL rather than copying it:
   behaves exactly like TRL's.
 * Rollouts go through ``super()._generate_and_score_completions``; variants filter, extend or
   re-weight what it returns (DAPO drops groups, iGRPO rewrites prompts, µ-GRPO buffers stages).
-* Reward functions are resolved by name and wrapped with a per-call timeout and clear errors.
+* Reward functions are resolved by name and wrapped with clear errors (TRL's batch, no time limit by default).
 * Every step logs clip/veto/FIPO fractions, the useful-token fraction and per-phase timings.
 * Off-policy steps cost no extra forward pass: the behaviour log-probs TRL would recompute are
   recorded while HF generate samples (``behaviour_logprobs``, :mod:`grpo_variants.rollout_logprobs`),
@@ -20,6 +20,7 @@ The trainer wraps TRL rather than copying it:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import time
@@ -48,6 +49,7 @@ _FORWARD_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
+logger = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -188,6 +190,110 @@ def resolve_reward_funcs(reward_funcs) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
+# Model card: the variant, its paper, the non-default hyper-parameters
+# ------------------------------------------------------------------------------------------------
+# Paper titles by arXiv id (the id comes from each variant's registration).
+PAPER_TITLES = {
+    "2402.03300": "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+    "2503.14476": "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+    "2503.20783": "Understanding R1-Zero-Like Training: A Critical Perspective",
+    "2507.18071": "Group Sequence Policy Optimization",
+}
+# Fields that say where and how a run is kept, not how it trains: left out of the card's table.
+_NOT_HYPERPARAMETERS = frozenset({
+    "output_dir", "logging_dir", "run_name", "hub_model_id", "hub_token", "hub_strategy", "hub_private_repo",
+    "push_to_hub", "resume_from_checkpoint", "report_to", "disable_tqdm", "local_rank", "overwrite_output_dir",
+    "logging_steps", "logging_strategy", "logging_first_step", "save_steps", "save_strategy", "save_total_limit",
+    "eval_steps", "log_completions", "num_completions_to_print", "variant", "project", "trackio_space_id",
+})
+
+
+# Fields whose value __post_init__ derives from others or normalises.
+_DERIVED = frozenset({
+    "bf16", "gradient_checkpointing", "activation_checkpointing", "generation_batch_size", "steps_per_generation",
+    "epsilon_high", "accelerator_config", "debug", "pad_to_multiple_of", "scale_rewards", "ratio_level",
+})
+
+
+def _tied_parameter_names(model) -> set[str]:
+    """Names of parameters that are the same tensor as another parameter (tied embeddings)."""
+    try:
+        model = model.module if hasattr(model, "module") else model
+        names = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        return {n for group in names.values() if len(group) > 1 for n in group}
+    except Exception:  # noqa: BLE001
+        return set()
+
+
+def _variant_paper(spec) -> tuple[str, str]:
+    paper_id = (spec.paper if spec and spec.paper else "arXiv:2402.03300").split(":", 1)[-1].strip()
+    name = spec.name if spec else "grpo"
+    return PAPER_TITLES.get(paper_id, f"{name} (arXiv {paper_id})"), paper_id
+
+
+def _field_default(f):
+    from dataclasses import MISSING
+
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return None
+
+
+def non_default_hyperparameters(args) -> list[tuple[str, object, object, object]]:
+    """``(field, value, variant default, TRL default)`` for every training field whose value differs from
+    the variant config's default, or whose variant default differs from ``trl.GRPOConfig``'s (``...``
+    where TRL has no such field). Fields that ``__post_init__`` derives or normalises (batch arithmetic,
+    bf16 / checkpointing on CPU) are listed only where the variant's default differs from TRL's.
+    The config is not rebuilt: building a ``TrainingArguments`` resets accelerate's state."""
+    cls = type(args)
+    variant_defaults = {f.name: _field_default(f) for f in fields(cls) if f.init}
+    trl_defaults = {f.name: _field_default(f) for f in fields(GRPOConfig) if f.init}
+    rows = []
+    for name, default in variant_defaults.items():
+        if name in _NOT_HYPERPARAMETERS or name.startswith(("hub_", "push_to_hub", "ddp_", "fsdp", "dataloader_")):
+            continue
+        value = getattr(args, name, None)
+        trl_default = trl_defaults.get(name, ...)
+        variant_differs = trl_default is not ... and default != trl_default
+        if variant_differs or (value != default and name not in _DERIVED):
+            rows.append((name, value, default, trl_default))
+    return rows
+
+
+def _show(value) -> str:
+    from enum import Enum
+
+    if isinstance(value, Enum):
+        value = value.value
+    return f"`{value!r}`"
+
+
+def model_card_section(args, spec, title: str, paper_id: str) -> str:
+    """The Markdown the model card gets after TRL's text: variant, paper, hyper-parameter table."""
+    name = spec.name if spec else "grpo (TRL's GRPO loss)"
+    desc = f": {spec.description}" if spec else ""
+    lines = [
+        "## grpo-variants",
+        "",
+        f"Variant **{name}**{desc}.",
+        f"Paper: [{title}](https://arxiv.org/abs/{paper_id}) (arXiv {paper_id}).",
+        "",
+        "Hyper-parameters that differ from the variant's defaults or from `trl.GRPOConfig`'s:",
+        "",
+        "| field | this run | variant default | TRL default |",
+        "|---|---|---|---|",
+    ]
+    for field_name, value, default, trl_default in non_default_hyperparameters(args):
+        trl_text = "(not a TRL field)" if trl_default is ... else _show(trl_default)
+        lines.append(f"| `{field_name}` | {_show(value)} | {_show(default)} | {trl_text} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
 # The trainer
 # ------------------------------------------------------------------------------------------------
 class GRPOVariantTrainer(GRPOTrainer):
@@ -261,6 +367,14 @@ class GRPOVariantTrainer(GRPOTrainer):
             from grpo_variants.callbacks import MFUCallback
 
             self.add_callback(MFUCallback(self))
+        from grpo_variants.callbacks import RunRecordCallback
+        from grpo_variants.console import install_console_callbacks
+
+        install_console_callbacks(self)  # a progress bar with live metrics instead of a dict per step
+
+        # metrics.jsonl, trainer_state.json, reward_curve.png and the model card in output_dir
+        self.run_record = RunRecordCallback(self)
+        self.add_callback(self.run_record)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -302,12 +416,18 @@ class GRPOVariantTrainer(GRPOTrainer):
     def _wrap_rewards(self, reward_funcs, args) -> list:
         from grpo_variants.rewards.robust import wrap_reward_funcs
 
+        if args.reward_cache:
+            logger.warning(
+                "reward_cache=True: each reward function is called with identical samples removed (not TRL's "
+                "batch); right only for deterministic rewards that score each completion on its own."
+            )
         return wrap_reward_funcs(
             reward_funcs,
             timeout=args.reward_timeout,
             isolation=args.reward_isolation,
             on_error=args.reward_on_error,
             cache_duplicates=args.reward_cache,
+            warn_after=args.reward_warn_after,
         )
 
     def _build_loss_spec(self) -> LossSpec | None:
@@ -360,6 +480,39 @@ class GRPOVariantTrainer(GRPOTrainer):
         self._generation_rounds_total = state.get("generation_rounds_total", 0)
         self._completions_generated_total = state.get("completions_generated_total", 0)
         self._kept_fraction = state.get("kept_fraction", 1.0)
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """transformers' check, without its warning when the only missing keys are tied weights (a model
+        with tied embeddings saves ``lm_head.weight`` once, as the embedding): re-tie them instead."""
+        tied = _tied_parameter_names(self.model)
+        if load_result.missing_keys and tied and set(load_result.missing_keys) <= tied:
+            self.model.tie_weights()
+            load_result = type(load_result)([], list(load_result.unexpected_keys))
+        super()._issue_warnings_after_load(load_result)
+
+    # ---- model card ------------------------------------------------------------------------------
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card, naming the variant and its paper, plus a table of the non-default
+        hyper-parameters (what this run set, against the variant's and TRL's defaults)."""
+        from grpo_variants.registry import _VARIANTS
+
+        spec = _VARIANTS.get(self.variant_name) if self.variant_name else None
+        title, paper_id = _variant_paper(spec)
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += ["grpo-variants"] + ([self.variant_name] if self.variant_name else [])
+        self._name = f"{spec.name} (grpo-variants)" if spec else "GRPO (grpo-variants)"
+        self._paper = {"title": title, "id": paper_id}
+        if spec is None or spec.name == "grpo":
+            self._paper = dict(GRPOTrainer._paper)
+        try:
+            super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        finally:
+            del self._name, self._paper  # back to the class attributes
+        if not self.is_world_process_zero():
+            return
+        card = os.path.join(self.args.output_dir, "README.md")
+        with open(card, "a") as f:
+            f.write("\n" + model_card_section(self.args, spec, title, paper_id))
 
     # ---- checkpoints, resume, signals (grpo_variants.reliability) --------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):

@@ -76,6 +76,15 @@ def test_fallback_judge(pred, gold, equal):
     assert answers_match(pred, gold, use_math_verify=False) is equal
 
 
+def test_math_verify_is_bounded_in_the_main_thread():
+    """Rewards run in the main thread by default, where math_verify keeps its own time limit: an adversarial
+    power tower is judged (not equal) instead of spinning in sympy."""
+    assert math_verify_available()  # a core dependency
+    t0 = time.monotonic()
+    assert answers_match("9^{9^{9^{9}}}", "1") is False
+    assert time.monotonic() - t0 < 60
+
+
 def test_extraction():
     assert extract_boxed("a \\boxed{1} then \\boxed{\\frac{\\sqrt{2}}{\\{3\\}}} end") == "\\frac{\\sqrt{2}}{\\{3\\}}"
     assert extract_boxed("\\boxed{\\frac{a}{b}") is None  # unbalanced
@@ -366,7 +375,7 @@ def test_caching_duplicates():
         assert kw["trainer_state"] == "state" and callable(kw["log_metric"])
         return [float(len(c)) + (10.0 if a == "x" else 0.0) for c, a in zip(completions, answer)]
 
-    r = RobustReward(counting_reward)
+    r = RobustReward(counting_reward, cache_duplicates=True)  # opt-in
     comps = ["aa", "aa", "b", "aa", "b", "aa"]
     answers = ["y", "y", "y", "y", "y", "x"]  # the last differs in its column: not a duplicate
     out = r(prompts=["p"] * 6, completions=comps, completion_ids=[[1]] * 6, answer=answers,

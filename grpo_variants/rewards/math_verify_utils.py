@@ -2,12 +2,14 @@
 
 Two judges, used together by :func:`answers_match`:
 
-* **math_verify** (the optional extra ``grpo-variants[math]``), when importable. It is always
-  called with its own timeouts disabled (``parsing_timeout=None``, ``timeout_seconds=None``):
-  those use ``signal.alarm``, which raises outside the main thread (verl PR #5635: every score
-  silently became 0). Wrap the reward in :class:`grpo_variants.rewards.RobustReward` (which the
-  trainer does by default) to bound its run time instead; use ``isolation="process"`` for a hard
-  bound, since sympy can spin on adversarial input and an abandoned thread keeps running.
+* **math_verify** (a core dependency since it installs cleanly everywhere: pure Python, with
+  ``latex2sympy2_extended``, ``sympy`` and ``antlr4-python3-runtime``; TRL's ``accuracy_reward``
+  uses it too). In the main thread (where rewards run by default, as in TRL) it keeps its own
+  5-second parse / verify limits; in any other thread they are disabled (``parsing_timeout=None``,
+  ``timeout_seconds=None``) because they use ``signal.alarm``, which raises outside the main thread
+  (verl PR #5635: every score silently became 0). There, bound the run time with ``reward_timeout``
+  and ``reward_isolation="process"`` (sympy can spin on adversarial input such as
+  ``9^{9^{9^{9}}}``, and an abandoned thread keeps running).
 * **A built-in fallback** that needs nothing beyond the standard library:
 
   1. normalise LaTeX: strip ``$``/``\\(``/``\\[``, ``\\left``/``\\right``, spacing commands, a
@@ -21,9 +23,15 @@ Two judges, used together by :func:`answers_match`:
      expressions with free variables are compared by evaluating both at three random points;
      tuples element-wise; anything else by its normalised string (case-insensitive).
 
-An answer is *equal* when either judge says so. A gold answer the fallback cannot read (empty,
-unbalanced brackets, a dangling operator such as ``x+``) is *unparsable*: the reward returns
-None (missing) for that sample instead of a misleading 0.
+An answer is *equal* when either judge says so. The fallback is tried first and earns its place
+three ways: it is about 250x faster (0.2 ms vs 48 ms median per pair, measured on 39 pairs), so most
+numeric answers never reach sympy; it decides which gold answers are *unparsable* (empty, unbalanced
+brackets, a dangling operator such as ``x+``): the reward returns None (missing) for that sample
+instead of a misleading 0; and it keeps math accuracy working if math_verify fails to import. Where
+the two differ, the fallback is stricter: on those 39 pairs they disagreed on 9, all of them pairs
+math_verify accepts and the fallback does not (sets ``\\{1,2\\}`` = ``\\{2,1\\}``, an interval after
+``x\\in``, ``\\sin(\\pi/3)``, ``\\log_2 8``, ``\\binom{5}{2}``, ``5!``, ``12\\%`` = ``0.12``, ``\\$5``,
+``x=2, y=3`` = ``(2,3)``); no pair was accepted by the fallback alone.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import logging
 import math
 import random
 import re
+import threading
 from fractions import Fraction
 
 logger = logging.getLogger(__name__)
@@ -445,10 +454,18 @@ def math_verify_available() -> bool:
     return bool(_MV)
 
 
+# math_verify's own time limits (its defaults), used where they work: signal.alarm needs the main thread.
+MATH_VERIFY_TIMEOUT_S = 5
+
+
+def _mv_timeout() -> int | None:
+    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
 def _mv_parse(s: str):
     parse, _ = _MV
     try:
-        out = parse(s, parsing_timeout=None)
+        out = parse(s, parsing_timeout=_mv_timeout())
     except TypeError:  # an old math_verify without the argument: it would use signal.alarm
         return []
     except Exception:
@@ -464,7 +481,7 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
     if not g or not p:
         return False
     try:
-        return bool(verify(g, p, timeout_seconds=None))
+        return bool(verify(g, p, timeout_seconds=_mv_timeout()))
     except TypeError:
         return False
     except Exception:
@@ -483,7 +500,7 @@ def answers_match(pred: str | None, gold: str, *, use_math_verify: bool | None =
     if use_math_verify is None:
         use_math_verify = math_verify_available()
     elif use_math_verify and not math_verify_available():
-        raise ImportError("math_verify is not installed: pip install 'grpo-variants[math]'")
+        raise ImportError("math_verify is not importable: pip install math-verify (a grpo-variants dependency)")
     if use_math_verify:
         return _math_verify_equal(pred, gold)
     return False

@@ -1,19 +1,25 @@
-"""Robust calling of reward functions: timeouts, isolation, clear errors, NaN checks, caching, metrics.
+"""Robust calling of reward functions: clear errors, NaN checks, optional timeouts and caching, metrics.
 
 ``RobustReward(func, ...)`` is a drop-in replacement for ``func`` with TRL's signature
 (``f(prompts=..., completions=..., completion_ids=..., **kwargs) -> list``) and the same
-``__name__`` (TRL logs each reward under it). What it adds (verl PR #6673: one slow reward call
-without a timeout froze training; PR #5635: math_verify failed in worker threads and every score
-silently became 0):
+``__name__`` (TRL logs each reward under it). **By default it behaves like TRL**: the function is
+called once per batch, in the caller's thread, with exactly the batch TRL passes (same length,
+same order, duplicates included) and no time limit. What it adds (verl PR #6673: one slow reward
+call without a timeout froze training; PR #5635: math_verify failed in worker threads and every
+score silently became 0):
 
-* **Timeout per call** (``timeout`` seconds, None = none). ``isolation="thread"`` runs the batch
-  in a daemon worker thread and *abandons* it on timeout: the call returns, but the thread keeps
-  running until the function returns by itself (CPU it burns is not reclaimed; a warning is
-  logged when abandoned calls pile up). ``isolation="process"`` runs the call in a child forked
-  with multiprocessing's ``fork`` context and SIGKILLs it (and its process group) on timeout:
-  a hard bound, at the cost of a fork per call; the return value must be picklable, side
-  effects in the child (caches, ``log_metric``/``log_extra`` calls, counters) are lost, and the
-  child must not use CUDA. ``isolation="none"`` calls in the caller's thread with no timeout.
+* **Slow-call warning** (``warn_after`` seconds, default 60): a call still running after that
+  long logs one warning naming the reward and the batch size, while it runs, and training
+  continues. Nothing is interrupted.
+* **Timeout per call** (``timeout`` seconds, default None = none, as in TRL). With a timeout,
+  ``isolation="thread"`` runs the batch in a daemon worker thread and *abandons* it on timeout:
+  the call returns, but the thread keeps running until the function returns by itself (CPU it
+  burns is not reclaimed; a warning is logged when abandoned calls pile up).
+  ``isolation="process"`` runs the call in a child forked with multiprocessing's ``fork`` context
+  and SIGKILLs it (and its process group) on timeout: a hard bound, at the cost of a fork per
+  call; the return value must be picklable, side effects in the child (caches,
+  ``log_metric``/``log_extra`` calls, counters) are lost, and the child must not use CUDA.
+  ``isolation="none"``, or ``"thread"`` without a timeout, calls in the caller's thread.
 * **Errors**: an exception becomes :class:`RewardFunctionError` naming the reward, the index of
   the first failing sample (found by re-running the batch one sample at a time, within another
   ``timeout``) or "a batch of N" when that does not reproduce it, and the original exception's
@@ -25,11 +31,12 @@ silently became 0):
   or None with ``on_error="none"`` (counted in ``nan_rate`` / ``error_rate``).
 * **Wrong length**: always RewardFunctionError naming the function and both counts (a bug in
   the function, not a property of one sample).
-* **Caching** (``cache_duplicates=True``): identical (prompt, completion, completion_ids,
-  per-sample columns) within one call are scored once: the function then sees the deduplicated
-  batch. Only valid for deterministic rewards that score each sample independently of the rest
-  of the batch (and that do not call ``log_extra`` with one value per sample); turn it off
-  otherwise. With no duplicates the function gets the original arguments untouched.
+* **Caching** (opt-in, ``cache_duplicates=True``; off by default): identical (prompt,
+  completion, completion_ids, per-sample columns) within one call are scored once, so the
+  function then sees the deduplicated batch, *not* TRL's. Only valid for deterministic rewards
+  that score each sample independently of the rest of the batch (not for group-level rewards
+  such as diversity, nor for rewards that call ``log_extra`` with one value per sample). With no
+  duplicates the function gets the original arguments untouched.
 * **Metrics** since the last :meth:`RobustReward.pop_metrics`: mean, error_rate, timeout_rate,
   nan_rate, time_s, cache_hit_rate.
 """
@@ -61,6 +68,8 @@ NON_SAMPLE_KWARGS = frozenset({"trainer_state", "log_extra", "log_metric", "envi
 _ISOLATIONS = ("thread", "process", "none")
 _ON_ERROR = ("raise", "none")
 _ABANDONED_WARN_AT = 4
+# A reward call still running after this many seconds logs a warning (it is not interrupted).
+DEFAULT_WARN_AFTER = 60.0
 
 
 def _callable_name(func: Callable) -> str:
@@ -146,10 +155,11 @@ class RobustReward:
         func: Callable[..., Sequence],
         *,
         name: str | None = None,
-        timeout: float | None = 60.0,
+        timeout: float | None = None,
         isolation: str = "thread",
         on_error: str = "raise",
-        cache_duplicates: bool = True,
+        cache_duplicates: bool = False,
+        warn_after: float | None = DEFAULT_WARN_AFTER,
     ):
         if not callable(func):
             raise ConfigError(f"RobustReward needs a callable reward function, got {func!r}.")
@@ -159,6 +169,8 @@ class RobustReward:
             raise ConfigError(f"reward on_error must be one of {_ON_ERROR}, got {on_error!r}.")
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ConfigError(f"reward timeout must be a positive number of seconds or None, got {timeout!r}.")
+        if warn_after is not None and (isinstance(warn_after, bool) or not warn_after > 0):
+            raise ConfigError(f"reward warn_after must be a positive number of seconds or None, got {warn_after!r}.")
         self.func = func
         self.__name__ = name or _callable_name(func)
         self.__qualname__ = self.__name__
@@ -168,6 +180,7 @@ class RobustReward:
         self.isolation = isolation
         self.on_error = on_error
         self.cache_duplicates = bool(cache_duplicates)
+        self.warn_after = None if warn_after is None else float(warn_after)
         self._init_runtime()
 
     # ---- state -------------------------------------------------------------------------------
@@ -197,7 +210,7 @@ class RobustReward:
     def __repr__(self) -> str:
         return (
             f"RobustReward({self.__name__}, timeout={self.timeout}, isolation={self.isolation!r}, "
-            f"on_error={self.on_error!r}, cache_duplicates={self.cache_duplicates})"
+            f"on_error={self.on_error!r}, cache_duplicates={self.cache_duplicates}, warn_after={self.warn_after})"
         )
 
     def pop_metrics(self) -> dict[str, float]:
@@ -219,19 +232,50 @@ class RobustReward:
     def _call_func(self, **kwargs):
         result = self.func(**kwargs)
         if inspect.isawaitable(result):
-            result = asyncio.run(_await(result))
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop in this thread: run the coroutine here
+                return asyncio.run(_await(result))
+            box: list = []  # a loop already runs here (a notebook): run it in a helper thread
+            t = threading.Thread(target=lambda: box.append(_capture(lambda: asyncio.run(_await(result)))))
+            t.start()
+            t.join()
+            if isinstance(box[0], BaseException):
+                raise box[0]
+            result = box[0]
         return result
 
-    def _invoke(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` under the isolation and timeout: its value, a _Failure, or _TIMEOUT."""
-        if self.isolation == "none":
-            try:
-                return fn()
-            except Exception as exc:  # noqa: BLE001
-                return _Failure(exc)
-        if self.isolation == "process":
-            return self._invoke_process(fn)
-        return self._invoke_thread(fn)
+    def _invoke(self, fn: Callable[[], Any], n: int = 0) -> Any:
+        """Run ``fn()`` under the isolation and timeout: its value, a _Failure, or _TIMEOUT.
+
+        Without a timeout (the default) or with ``isolation="none"`` it runs in the caller's thread,
+        as TRL calls it. A call still running after ``warn_after`` seconds logs one warning.
+        """
+        timer = None
+        if self.warn_after is not None and (self.timeout is None or self.warn_after < self.timeout):
+            timer = threading.Timer(self.warn_after, self._warn_slow, args=(n,))
+            timer.daemon = True
+            timer.start()
+        try:
+            if self.isolation == "none" or (self.isolation == "thread" and self.timeout is None):
+                try:
+                    return fn()
+                except Exception as exc:  # noqa: BLE001
+                    return _Failure(exc)
+            if self.isolation == "process":
+                return self._invoke_process(fn)
+            return self._invoke_thread(fn)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _warn_slow(self, n: int) -> None:
+        limit = (f"it is stopped at reward_timeout={self.timeout:g} s" if self.timeout is not None
+                 else "there is no time limit (set reward_timeout=<seconds> to bound it)")
+        logger.warning(
+            "Reward '%s' has been running for %g s on a batch of %d samples and is still running; %s.",
+            self.__name__, self.warn_after, n, limit,
+        )
 
     def _invoke_thread(self, fn: Callable[[], Any]) -> Any:
         box: list = []
@@ -296,7 +340,7 @@ class RobustReward:
         )
 
     # ---- validation --------------------------------------------------------------------------
-    def _validate(self, out: Any, n: int) -> list:
+    def _validate(self, out: Any, n: int, batch: int | None = None) -> list:
         """Convert to a list of float/None/_Failure; wrong length raises."""
         if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
             raise RewardFunctionError(
@@ -309,7 +353,9 @@ class RobustReward:
         out = list(out)
         if len(out) != n:
             raise RewardFunctionError(
-                f"Reward function '{self.__name__}' returned {len(out)} rewards for {n} completions; it must "
+                f"Reward function '{self.__name__}' returned {len(out)} rewards for {n} completions"
+                + (f" (the {n} distinct samples of a batch of {batch}: reward_cache=True)" if batch and batch != n else "")
+                + "; it must "
                 "return exactly one value (float or None) per completion."
             )
         values: list = []
@@ -379,7 +425,7 @@ class RobustReward:
             return sub
 
         batch_args = args_for(unique)
-        res = self._invoke(lambda: self._call_func(**batch_args))
+        res = self._invoke(lambda: self._call_func(**batch_args), m)
 
         n_err = n_timeout = n_nan = 0
         values: list  # per unique sample: float | None | _Failure | _TIMEOUT
@@ -395,7 +441,7 @@ class RobustReward:
                 self._account(n, n, 0, 0, n - m, [], time.perf_counter() - t0)
                 raise
         else:
-            values = self._validate(res, m)  # wrong length raises here
+            values = self._validate(res, m, n)  # wrong length raises here
             if any(isinstance(v, _Failure) for v in values) and self.on_error == "raise":
                 j = next(k for k, v in enumerate(values) if isinstance(v, _Failure))
                 self._account(n, n, 0, 0, n - m, [], time.perf_counter() - t0)
@@ -453,7 +499,7 @@ class RobustReward:
                     break
             return vals
 
-        vals = self._invoke(one_by_one)
+        vals = self._invoke(one_by_one, len(unique))
         first = None
         if isinstance(vals, list):
             first = next((k for k, v in enumerate(vals) if isinstance(v, _Failure)), None)
@@ -503,6 +549,13 @@ class _NonFinite:
 
 async def _await(aw):
     return await aw
+
+
+def _capture(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+        return exc
 
 
 def _preview(completions, index: int) -> str:

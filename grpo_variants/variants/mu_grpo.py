@@ -43,6 +43,7 @@ seq-mean-token-mean; no KL term (beta = 0).
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import time
 import warnings
@@ -57,6 +58,8 @@ from grpo_variants.registry import register_variant
 from grpo_variants.trainer import _FORWARD_KEYS, GRPOVariantTrainer
 
 __all__ = ["MuGRPOConfig", "MuGRPOTrainer"]
+
+logger = logging.getLogger(__name__)
 
 _UNCHUNKABLE_KEYS = tuple(k for k in _FORWARD_KEYS if k != "token_type_ids") + ("num_images", "num_tiles")
 
@@ -143,7 +146,40 @@ class MuGRPOConfig(GRPOVariantConfig):
         self.generation_batch_size = None
         self.num_iterations = 1
         super().__post_init__()
+        self._size_stage_to_run()
         self._derive_stage(requested)
+
+    def _size_stage_to_run(self) -> None:
+        """A run shorter than one default stage (a smoke run, ``max_steps=2``) gets a stage sized to it.
+
+        With the defaults (1024 prompts, µ = 1024) a 2-step run would generate a whole stage (over 8k
+        completions) for 2 updates. When both stage fields are at their defaults and ``max_steps`` is
+        below µ, µ becomes ``max_steps`` and the stage keeps the default's reuse (updates per pass) as
+        far as whole mini-batches allow; a warning says so. Explicit stage fields are never changed.
+        """
+        default_mu = type(self).__dataclass_fields__["updates_per_stage"].default
+        default_prompts = type(self).__dataclass_fields__["stage_prompts"].default
+        steps = self.max_steps
+        if not (0 < steps < self.updates_per_stage) or self.num_stages is not None:
+            return
+        if (self.updates_per_stage, self.stage_prompts) != (default_mu, default_prompts):
+            return
+        G = self.num_generations
+        per_update = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+        passes = max(1, (default_prompts * G // per_update))  # mini-batches per pass of the default stage
+        target = max(1, math.ceil(steps * passes / default_mu))
+        for mini_batches in sorted((d for d in _divisors(steps) if d <= target), reverse=True):
+            if (mini_batches * per_update) % G == 0:
+                break
+        else:
+            return  # no whole-group stage fits: keep the default and let _derive_stage explain
+        self.updates_per_stage = steps
+        self.stage_prompts = mini_batches * per_update // G
+        logger.warning(
+            "µ-GRPO: max_steps=%d is shorter than one default stage (%d prompts, µ=%d); sizing the stage to the run: "
+            "stage_prompts=%d, updates_per_stage=%d (set them to override).",
+            steps, default_prompts, default_mu, self.stage_prompts, self.updates_per_stage,
+        )
 
     def _set_clip_widths(self) -> None:
         if self.relaxed_clip:

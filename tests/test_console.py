@@ -1,0 +1,77 @@
+"""Console output: a progress bar with a few live metrics instead of a dict per step; a summary table."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from grpo_variants import GRPOVariantTrainer
+from grpo_variants.console import CompactPrinterCallback, LiveProgressCallback, live_metrics, summary_rows
+
+
+def _kinds(trainer):
+    return {type(cb) for cb in trainer.callback_handler.callbacks}
+
+
+def test_live_metrics_pick_a_handful():
+    logs = {"reward": 0.25, "rewards/toy_accuracy/mean": 0.25, "kl": 0.0012, "clip_ratio/region_mean": 0.1,
+            "throughput/generated_tokens_per_s": 812.4, "loss": 0.3, "grad_norm": 2.0, "eval_toy_accuracy": 0.5}
+    assert live_metrics(logs, beta=0.04) == {"reward": "0.25", "held-out acc": "50.0%", "train acc": "25.0%",
+                                             "kl": "0.0012", "tok/s": "812"}
+    assert "clip" in live_metrics(logs, beta=0.0) and "kl" not in live_metrics(logs, beta=0.0)
+    assert live_metrics({"loss": 1.0}) == {}
+
+
+def test_summary_rows_first_and_last():
+    records = [{"step": 0, "eval_toy_accuracy": 0.2}, {"step": 1, "reward": 0.1, "rewards/toy_accuracy/mean": 0.1},
+               {"step": 2, "reward": 0.4, "rewards/toy_accuracy/mean": 0.4, "eval_toy_accuracy": 0.6}]
+    assert summary_rows(records) == [("reward (train rollouts)", "0.1", "0.4"),
+                                     ("train accuracy (toy_accuracy)", "10.0%", "40.0%"),
+                                     ("held-out accuracy", "20.0%", "60.0%")]
+
+
+def test_callbacks_swapped_unless_verbose(make_args, toy_model_path, small_train_dataset):
+    bar = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
+                             args=make_args(disable_tqdm=False))
+    assert LiveProgressCallback in _kinds(bar) and ProgressCallback not in _kinds(bar)
+    quiet = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
+                               args=make_args(disable_tqdm=True))
+    assert CompactPrinterCallback in _kinds(quiet) and PrinterCallback not in _kinds(quiet)
+    verbose = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
+                                 args=make_args(disable_tqdm=True, verbose=True))
+    assert PrinterCallback in _kinds(verbose) and CompactPrinterCallback not in _kinds(verbose)
+
+
+def test_run_prints_short_lines_and_a_summary(make_args, toy_model_path, small_train_dataset, capsys):
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
+                                 args=make_args(disable_tqdm=True, max_steps=2))
+    trainer.train()
+    out = capsys.readouterr().out
+    assert "{'loss'" not in out and "'grad_norm'" not in out  # no per-step dicts
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"] and all("reward" in line for line in lines)
+    assert "2 optimizer steps" in out and "metrics.jsonl" in out and "reward (train rollouts)" in out
+
+
+def test_no_warning_from_our_checkpointing_field(recwarn):
+    from grpo_variants import GRPOVariantConfig
+
+    warnings.simplefilter("always")
+    for value in (None, False, True):
+        args = GRPOVariantConfig(output_dir="unused", report_to="none", gradient_checkpointing=value)
+        expected = value if value is not None else False  # CPU: off unless set
+        assert args.gradient_checkpointing is expected and args.activation_checkpointing is expected
+    assert not [w for w in recwarn if "checkpointing" in str(w.message)]
+
+
+def test_deepspeed_cpu_line_filtered():
+    import grpo_variants  # noqa: F401  (installs the filters)
+
+    record = logging.LogRecord("DeepSpeed", logging.WARNING, __file__, 1,
+                               "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable "
+                               "to detect it.", None, None)
+    assert not all(f.filter(record) for f in logging.getLogger("DeepSpeed").filters)
+    other = logging.LogRecord("DeepSpeed", logging.WARNING, __file__, 1, "something else", None, None)
+    assert all(f.filter(other) for f in logging.getLogger("DeepSpeed").filters)
