@@ -7,9 +7,12 @@ the same prompts, the same learning rate and completions per update, and stop on
 
 * GRPO: the registered ``grpo`` variant (DeepSeekMath: clip 0.2, seq-mean-token-mean, k3 KL with
   beta 0.04 (``--grpo-beta``)), reward ``toy_accuracy`` (1 / 0).
-* DAPO: the registered ``dapo`` variant (clip 0.2 / 0.28, dual clip 10, token-mean, dynamic sampling
-  with the retry cap, overlong shaping and filtering, beta 0), reward ``toy_accuracy_pm1`` (+1 / -1).
-  With group-std advantages the two reward scales give the same advantages.
+* DAPO: the registered ``dapo`` variant (clip 0.2 / 0.28, dual clip 10, token-mean per update, dynamic
+  sampling with the retry cap and surplus groups carried to the next batch, overlong shaping and
+  filtering, beta 0), reward ``toy_accuracy_pm1`` (+1 / -1). With group-std advantages the two reward
+  scales give the same advantages. Updates per rollout come from the lab's toy preset (4 instead of the
+  paper's 16, so one rollout does not overshoot the budget); both arms make one optimizer update per
+  ``--batch`` completions trained. ``--dapo-surplus discard`` restores the paper's cut of surplus groups.
 
 Measured per arm: held-out greedy accuracy against generated tokens (every ``--eval-every`` tokens,
 on ``--eval-size`` held-out problems), final accuracy, training wall seconds (evaluation time
@@ -38,6 +41,8 @@ HERE = Path(__file__).resolve().parent
 
 from _common import HeldOutEval, toy_run_config  # noqa: E402  (sets the offline environment first)
 
+from grpo_variants.lab import toy_preset  # noqa: E402
+
 import torch  # noqa: E402
 
 from grpo_variants import get_variant, toy  # noqa: E402
@@ -55,6 +60,8 @@ def build(arm: str, kit, opts, seed: int, output_dir: str):
         reward = "toy_accuracy"
     else:
         values["max_num_gen_batches"] = opts.max_num_gen_batches
+        values["dynamic_sampling_surplus"] = opts.dapo_surplus
+        values.update(toy_preset(arm, values))  # 4 updates per rollout on the toy task
         reward = "toy_accuracy_pm1"
     config = spec.config_cls(**values)
     trainer = spec.trainer_cls(model=kit.model_path, reward_funcs=reward, args=config,
@@ -76,13 +83,18 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
     history = trainer.state.log_history
     generated = int(trainer._tokens_generated_total)
     rollouts = int(trainer._generation_rounds_total)  # optimisation batches (one rollout each)
-    rounds = int(getattr(trainer, "_ds_rounds_total", rollouts))  # generate calls (DAPO: >= rollouts)
+    # generate calls per optimisation batch (GRPO: 1; dynamic sampling re-samples)
+    rounds = int(trainer._ds_rounds_total) if trainer.args.dynamic_sampling else rollouts
     pass_rates = [r["dynamic_sampling/pass_rate"] for r in history if "dynamic_sampling/pass_rate" in r]
     zero_std = [r["frac_reward_zero_std"] for r in history if "frac_reward_zero_std" in r]
+    clip_high = [r["clip_ratio/high_mean"] for r in history if "clip_ratio/high_mean" in r]
     return dict(
         arm=arm,
         seed=seed,
         final_accuracy=evaluator.curve[-1]["accuracy"],
+        accuracy_gain_per_100k_tokens=(evaluator.curve[-1]["accuracy"] - evaluator.curve[0]["accuracy"])
+        / max(generated, 1) * 1e5,
+        clip_high_mean=statistics.mean(clip_high) if clip_high else 0.0,
         initial_accuracy=evaluator.curve[0]["accuracy"],
         wall_seconds=round(wall, 2),
         generated_tokens=generated,
@@ -107,6 +119,10 @@ def summarise(runs: list[dict]) -> dict:
             seeds=[r["seed"] for r in mine],
             final_accuracy=mean("final_accuracy"),
             final_accuracy_per_seed=[r["final_accuracy"] for r in mine],
+            accuracy_gain_per_100k_tokens=mean("accuracy_gain_per_100k_tokens"),
+            useful_token_fraction_per_seed=[r["useful_token_fraction"] for r in mine],
+            generation_rounds_per_step_per_seed=[r["generation_rounds_per_step"] for r in mine],
+            clip_high_mean=mean("clip_high_mean"),
             initial_accuracy=mean("initial_accuracy"),
             wall_seconds=mean("wall_seconds"),
             generated_tokens=mean("generated_tokens"),
@@ -144,11 +160,17 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         ("per seed", ", ".join(pct(x) for x in g["final_accuracy_per_seed"]),
          ", ".join(pct(x) for x in d["final_accuracy_per_seed"])),
         ("mean accuracy over the budget", pct(g["mean_accuracy_over_budget"]), pct(d["mean_accuracy_over_budget"])),
+        ("accuracy gain per 100k generated tokens (points)", f"{100 * g['accuracy_gain_per_100k_tokens']:.1f}",
+         f"{100 * d['accuracy_gain_per_100k_tokens']:.1f}"),
         ("generated tokens", f"{g['generated_tokens']:,.0f}", f"{d['generated_tokens']:,.0f}"),
         ("useful-token fraction", f"{g['useful_token_fraction']:.3f}", f"{d['useful_token_fraction']:.3f}"),
+        ("useful-token fraction per seed", ", ".join(f"{x:.3f}" for x in g["useful_token_fraction_per_seed"]),
+         ", ".join(f"{x:.3f}" for x in d["useful_token_fraction_per_seed"])),
         ("optimizer steps", f"{g['optimizer_steps']:.1f}", f"{d['optimizer_steps']:.1f}"),
-        ("generation rounds per step", f"{g['generation_rounds_per_step']:.2f}",
+        ("generation rounds per optimisation batch", f"{g['generation_rounds_per_step']:.2f}",
          f"{d['generation_rounds_per_step']:.2f}"),
+        ("tokens clipped at the upper bound (mean per update)", f"{g['clip_high_mean']:.4f}",
+         f"{d['clip_high_mean']:.4f}"),
         ("groups with zero reward std (generated)", pct(g["frac_reward_zero_std"]), pct(d["frac_reward_zero_std"])),
         ("dynamic-sampling pass rate", "-", pct(d["dynamic_sampling_pass_rate"] or 0.0)),
         ("training wall seconds (eval excluded)", f"{g['wall_seconds']:.1f}", f"{d['wall_seconds']:.1f}"),
@@ -160,7 +182,8 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"Warm-started toy policy (held-out greedy accuracy at start {pct(g['initial_accuracy'])}), "
         f"{opts.batch} completions per update ({opts.batch // opts.group} prompts x {opts.group}), lr {opts.lr:g}, "
         f"budget {opts.budget:,} generated tokens per arm, seeds {meta['seeds']}, {meta['eval_size']} held-out "
-        f"problems. GRPO beta = {opts.grpo_beta:g}. Mode: {'quick' if opts.quick else 'full'}.",
+        f"problems. GRPO beta = {opts.grpo_beta:g}. DAPO: {meta.get('dapo_updates_per_rollout')} updates per rollout, "
+        f"surplus groups {opts.dapo_surplus}. Mode: {'quick' if opts.quick else 'full'}.",
         "",
         "| metric | GRPO | DAPO |",
         "|---|---|---|",
@@ -174,7 +197,8 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"{meta['eval_size']} held-out problems one accuracy value has a standard error of about "
         f"{100 * (0.25 / meta['eval_size']) ** 0.5:.1f} points.",
         "",
-        f"Command: `python benchmarks/dapo_vs_grpo.py{' --quick' if opts.quick else ''}`. Plot: dapo.png.",
+        f"Command: `python benchmarks/dapo_vs_grpo.py{' --quick' if opts.quick else ''}"
+        f"{f' --budget {opts.budget}' if opts.budget != (3_000 if opts.quick else 300_000) else ''}`. Plot: dapo.png.",
     ]
     path.write_text("\n".join(lines) + "\n")
 
@@ -216,6 +240,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--grpo-beta", type=float, default=0.04, help="GRPO's KL coefficient (paper: 0.04)")
     parser.add_argument("--max-num-gen-batches", type=int, default=10)
+    parser.add_argument("--dapo-surplus", default="carry", choices=["carry", "discard"],
+                        help="surplus qualifying groups: carried to the next batch (default) or cut (the paper)")
     parser.add_argument("--eval-every", type=int, default=None, help="generated tokens between evaluations")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 500; quick 100)")
     parser.add_argument("--out", default=str(HERE / "results"))
@@ -242,7 +268,10 @@ def main(argv=None) -> int:
     summary = summarise(runs)
     meta = dict(seeds=opts.seeds, eval_size=len(eval_dataset), budget_tokens=opts.budget, batch=opts.batch,
                 group=opts.group, lr=opts.lr, grpo_beta=opts.grpo_beta, quick=opts.quick,
-                torch_threads=torch.get_num_threads(), warmstart=kit.warmstart.get("probe_accuracy"))
+                torch_threads=torch.get_num_threads(), warmstart=kit.warmstart.get("probe_accuracy"),
+                dapo_surplus=opts.dapo_surplus,
+                dapo_updates_per_rollout=toy_preset("dapo", {"per_device_train_batch_size": opts.batch,
+                                                              "num_generations": opts.group})["mini_batches_per_rollout"])
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, **{arm: summary[arm] for arm in ARMS}, "ratios": summary["ratios"], "runs": runs}
