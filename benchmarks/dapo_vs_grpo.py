@@ -198,7 +198,9 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"{100 * (0.25 / meta['eval_size']) ** 0.5:.1f} points.",
         "",
         f"Command: `python benchmarks/dapo_vs_grpo.py{' --quick' if opts.quick else ''}"
-        f"{f' --budget {opts.budget}' if opts.budget != (3_000 if opts.quick else 300_000) else ''}`. Plot: dapo.png.",
+        f"{f' --budget {opts.budget}' if opts.budget != (3_000 if opts.quick else 300_000) else ''}"
+        f"{f' --batch {opts.batch}' if opts.batch != (64 if opts.quick else 256) else ''}`"
+        f"{' (' + meta['processes'] + ', then --merge)' if meta.get('processes') else ''}. Plot: dapo.png.",
     ]
     path.write_text("\n".join(lines) + "\n")
 
@@ -245,17 +247,24 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-every", type=int, default=None, help="generated tokens between evaluations")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 500; quick 100)")
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: up to 2)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="DAPO_JSON",
+                        help="combine the runs of several dapo.json files (e.g. one process per seed, run side by "
+                             "side) into one table; the other options must be the ones those runs used")
     opts = parser.parse_args(argv)
     opts.budget = opts.budget or (3_000 if opts.quick else 300_000)
     opts.seeds = opts.seeds or ([0] if opts.quick else [0, 1, 2])
     opts.batch = opts.batch or (64 if opts.quick else 256)
     opts.eval_every = opts.eval_every or max(opts.budget // 10, 1)
     opts.eval_size = opts.eval_size or (100 if opts.quick else 500)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(opts.threads or max(1, min(2, os.cpu_count() or 1)))
+    if opts.merge:
+        return merge(opts, [Path(p) for p in opts.merge])
 
     kit = toy.prepare(task="addition", verbose=True)
     eval_dataset = kit.eval_dataset.select(range(min(opts.eval_size, len(kit.eval_dataset))))
     runs = []
+    eval_size = len(eval_dataset)
     for seed in opts.seeds:
         for arm in ARMS:
             print(f"[dapo_vs_grpo] {arm} seed {seed}: budget {opts.budget:,} generated tokens", flush=True)
@@ -265,10 +274,30 @@ def main(argv=None) -> int:
                   f"useful {run['useful_token_fraction']:.3f}, rounds/step {run['generation_rounds_per_step']:.2f}, "
                   f"{run['wall_seconds']:.1f} s", flush=True)
             runs.append(run)
+    write_results(opts, runs, eval_size, kit.warmstart.get("probe_accuracy"))
+    return 0
+
+
+def merge(opts, paths: list[Path]) -> int:
+    """One table from the runs of several result files (each process ran some seeds, side by side)."""
+    results = [json.loads(p.read_text()) for p in paths]
+    runs = sorted((r for res in results for r in res["runs"]), key=lambda r: (r["seed"], ARMS.index(r["arm"])))
+    opts.seeds = sorted({r["seed"] for r in runs})
+    meta0 = results[0]["meta"]
+    for res in results:
+        for key in ("budget_tokens", "batch", "group", "lr", "grpo_beta", "eval_size", "dapo_surplus"):
+            if res["meta"].get(key) != meta0.get(key):
+                raise SystemExit(f"--merge: {key} differs between the files ({res['meta'].get(key)} vs {meta0.get(key)})")
+    write_results(opts, runs, meta0["eval_size"], meta0.get("warmstart"),
+                  note=f"{len(paths)} processes run side by side, one per seed")
+    return 0
+
+
+def write_results(opts, runs: list[dict], eval_size: int, warmstart, note: str | None = None) -> None:
     summary = summarise(runs)
-    meta = dict(seeds=opts.seeds, eval_size=len(eval_dataset), budget_tokens=opts.budget, batch=opts.batch,
+    meta = dict(seeds=opts.seeds, eval_size=eval_size, budget_tokens=opts.budget, batch=opts.batch,
                 group=opts.group, lr=opts.lr, grpo_beta=opts.grpo_beta, quick=opts.quick,
-                torch_threads=torch.get_num_threads(), warmstart=kit.warmstart.get("probe_accuracy"),
+                torch_threads=torch.get_num_threads(), warmstart=warmstart, processes=note,
                 dapo_surplus=opts.dapo_surplus,
                 dapo_updates_per_rollout=toy_preset("dapo", {"per_device_train_batch_size": opts.batch,
                                                               "num_generations": opts.group})["mini_batches_per_rollout"])
@@ -279,7 +308,6 @@ def main(argv=None) -> int:
     write_markdown(out / "dapo.md", summary, opts, meta)
     plot(out / "dapo.png", runs)
     print((out / "dapo.md").read_text())
-    return 0
 
 
 if __name__ == "__main__":

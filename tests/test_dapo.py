@@ -419,19 +419,22 @@ def _first_operand(prompt: str) -> int:
 
 
 def parity_reward(prompts, completions, **kwargs):
-    """Constant (dropped) for an even first operand; otherwise the parity of the completion's characters."""
-    return [0.0 if _first_operand(p) % 2 == 0 else float(sum(map(ord, c)) % 2) for p, c in zip(prompts, completions)]
+    """Constant (dropped) for an even first operand; otherwise alternating 0 / 1 over the local rows, so that every
+    such group varies even when it straddles the two ranks (groups of 4, 6 rows per rank): which groups qualify
+    depends on the prompts only (the seeded data order), not on what the policy samples."""
+    return [0.0 if _first_operand(p) % 2 == 0 else float(i % 2) for i, p in enumerate(prompts)]
 
 
 @pytest.mark.slow
 def test_two_processes_keep_identical_groups(toy_model_path, tmp_path):
+    """``grpo`` with dynamic sampling on (the shared component), 2 processes over gloo, surplus groups carried."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(_free_port()), __file__, "--ddp-worker", str(tmp_path), toy_model_path]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["rollouts"] and len(ranks[0]["rollouts"]) == len(ranks[1]["rollouts"]) == 3
+    assert ranks[0]["rollouts"] and len(ranks[0]["rollouts"]) == len(ranks[1]["rollouts"]) == 4
     assert ranks[0]["generate_calls"] == ranks[1]["generate_calls"]  # lock-step
     for r0, r1 in zip(ranks[0]["rollouts"], ranks[1]["rollouts"], strict=True):
         assert r0["global_prompts"] == r1["global_prompts"] and r0["group_ids"] == r1["group_ids"]
@@ -445,6 +448,12 @@ def test_two_processes_keep_identical_groups(toy_model_path, tmp_path):
         assert all(len(set(v)) > 1 for v in r0["values"])
         assert r0["num_items"] == r1["num_items"] == r0["mask_tokens_0"] + r1["mask_tokens_0"]
     assert any(r["rounds"] > 1 for r in ranks[0]["rollouts"]), "never re-sampled: extra-prompt path untested"
+    for r0, r1 in zip(ranks[0]["rollouts"], ranks[1]["rollouts"], strict=True):  # the carry is identical on both ranks
+        assert (r0["carried_in"], r0["carried_out"]) == (r1["carried_in"], r1["carried_out"])
+        assert r0["kept"] == 3 - r0["carried_in"] + r0["carried_out"]  # nothing that qualified was thrown away
+    for previous, current in zip(ranks[0]["rollouts"], ranks[0]["rollouts"][1:]):
+        assert current["carried_in"] == previous["carried_out"]
+    assert any(r["carried_in"] > 0 for r in ranks[0]["rollouts"]), "no group was carried: the carry path is untested"
     assert all(n == 6 for n in ranks[0]["loss_batch_sizes"] + ranks[1]["loss_batch_sizes"])
 
 
@@ -454,15 +463,18 @@ def _ddp_worker(out_dir: str, model_path: str) -> None:
     from conftest import tiny_args
 
     rank = int(os.environ["RANK"])
-    args = tiny_args(DAPOConfig, mini_batches_per_rollout=None, output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=6,
-                     num_generations=4, max_steps=3, max_num_gen_batches=0)
+    spec = get_variant("grpo")
+    args = tiny_args(spec.config_cls, output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=6,
+                     num_generations=4, max_steps=4, max_num_gen_batches=0, dynamic_sampling=True,
+                     reward_cache=False)
     data = toy.make_dataset(n=240)
 
-    class Worker(DAPOTrainer):
+    class Worker(spec.trainer_cls):
         def _on_dynamic_sampling_batch(self, batch, info):
             texts = self.processing_class.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
             record = {"global_prompts": texts, "group_ids": info.group_ids, "rounds": info.rounds,
-                      "values": info.values.tolist()}
+                      "values": info.values.tolist(), "carried_in": info.groups_carried_in,
+                      "carried_out": info.groups_carried_out, "kept": info.groups_kept}
             log["rollouts"].append(record)
 
         def _local_slice(self, full, local):
