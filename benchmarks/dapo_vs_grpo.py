@@ -48,11 +48,13 @@ import torch  # noqa: E402
 from grpo_variants import get_variant, toy  # noqa: E402
 from grpo_variants.callbacks import GenerationBudgetCallback  # noqa: E402
 
-ARMS = ("grpo", "dapo")
+ALL_ARMS = ("grpo", "dapo", "dapo_discard")
+ARM_LABELS = {"grpo": "GRPO", "dapo": "DAPO", "dapo_discard": "DAPO, surplus cut (paper)"}
+ARMS = ("grpo", "dapo")  # the arms run (main() sets it from --arms)
 
 
 def build(arm: str, kit, opts, seed: int, output_dir: str):
-    spec = get_variant(arm)
+    spec = get_variant("dapo" if arm.startswith("dapo") else arm)
     values = toy_run_config(output_dir, seed, opts.batch, opts.group, opts.lr,
                             max_steps=100_000)  # the generation budget stops training
     if arm == "grpo":
@@ -60,7 +62,7 @@ def build(arm: str, kit, opts, seed: int, output_dir: str):
         reward = "toy_accuracy"
     else:
         values["max_num_gen_batches"] = opts.max_num_gen_batches
-        values["dynamic_sampling_surplus"] = opts.dapo_surplus
+        values["dynamic_sampling_surplus"] = "discard" if arm == "dapo_discard" else "carry"
         values.update(toy_preset(arm, values))  # 4 updates per rollout on the toy task
         reward = "toy_accuracy_pm1"
     config = spec.config_cls(**values)
@@ -153,28 +155,28 @@ def _curve_mean(curve: list[dict]) -> float:
 
 
 def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
-    g, d = summary["grpo"], summary["dapo"]
+    arms = [arm for arm in ALL_ARMS if arm in summary]
+    g = summary["grpo"]
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
-    rows = [
-        ("final held-out accuracy (greedy)", pct(g["final_accuracy"]), pct(d["final_accuracy"])),
-        ("per seed", ", ".join(pct(x) for x in g["final_accuracy_per_seed"]),
-         ", ".join(pct(x) for x in d["final_accuracy_per_seed"])),
-        ("mean accuracy over the budget", pct(g["mean_accuracy_over_budget"]), pct(d["mean_accuracy_over_budget"])),
-        ("accuracy gain per 100k generated tokens (points)", f"{100 * g['accuracy_gain_per_100k_tokens']:.1f}",
-         f"{100 * d['accuracy_gain_per_100k_tokens']:.1f}"),
-        ("generated tokens", f"{g['generated_tokens']:,.0f}", f"{d['generated_tokens']:,.0f}"),
-        ("useful-token fraction", f"{g['useful_token_fraction']:.3f}", f"{d['useful_token_fraction']:.3f}"),
-        ("useful-token fraction per seed", ", ".join(f"{x:.3f}" for x in g["useful_token_fraction_per_seed"]),
-         ", ".join(f"{x:.3f}" for x in d["useful_token_fraction_per_seed"])),
-        ("optimizer steps", f"{g['optimizer_steps']:.1f}", f"{d['optimizer_steps']:.1f}"),
-        ("generation rounds per optimisation batch", f"{g['generation_rounds_per_step']:.2f}",
-         f"{d['generation_rounds_per_step']:.2f}"),
-        ("tokens clipped at the upper bound (mean per update)", f"{g['clip_high_mean']:.4f}",
-         f"{d['clip_high_mean']:.4f}"),
-        ("groups with zero reward std (generated)", pct(g["frac_reward_zero_std"]), pct(d["frac_reward_zero_std"])),
-        ("dynamic-sampling pass rate", "-", pct(d["dynamic_sampling_pass_rate"] or 0.0)),
-        ("training wall seconds (eval excluded)", f"{g['wall_seconds']:.1f}", f"{d['wall_seconds']:.1f}"),
+    per_arm = [
+        ("final held-out accuracy (greedy)", lambda a: pct(a["final_accuracy"])),
+        ("per seed", lambda a: ", ".join(pct(x) for x in a["final_accuracy_per_seed"])),
+        ("mean accuracy over the budget", lambda a: pct(a["mean_accuracy_over_budget"])),
+        ("accuracy gain per 100k generated tokens (points)",
+         lambda a: f"{100 * a['accuracy_gain_per_100k_tokens']:.1f}"),
+        ("generated tokens", lambda a: f"{a['generated_tokens']:,.0f}"),
+        ("useful-token fraction", lambda a: f"{a['useful_token_fraction']:.3f}"),
+        ("useful-token fraction per seed",
+         lambda a: ", ".join(f"{x:.3f}" for x in a["useful_token_fraction_per_seed"])),
+        ("optimizer steps", lambda a: f"{a['optimizer_steps']:.1f}"),
+        ("generation rounds per optimisation batch", lambda a: f"{a['generation_rounds_per_step']:.2f}"),
+        ("tokens clipped at the upper bound (mean per update)", lambda a: f"{a['clip_high_mean']:.4f}"),
+        ("groups with zero reward std (generated)", lambda a: pct(a["frac_reward_zero_std"])),
+        ("dynamic-sampling pass rate", lambda a: "-" if a["dynamic_sampling_pass_rate"] is None
+         else pct(a["dynamic_sampling_pass_rate"])),
+        ("training wall seconds (eval excluded)", lambda a: f"{a['wall_seconds']:.1f}"),
     ]
+    rows = [(name, *[fn(summary[arm]) for arm in arms]) for name, fn in per_arm]
     r = summary["ratios"]
     lines = [
         "# DAPO vs GRPO on the toy task at an equal generation budget",
@@ -183,11 +185,12 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"{opts.batch} completions per update ({opts.batch // opts.group} prompts x {opts.group}), lr {opts.lr:g}, "
         f"budget {opts.budget:,} generated tokens per arm, seeds {meta['seeds']}, {meta['eval_size']} held-out "
         f"problems. GRPO beta = {opts.grpo_beta:g}. DAPO: {meta.get('dapo_updates_per_rollout')} updates per rollout, "
-        f"surplus groups {opts.dapo_surplus}. Mode: {'quick' if opts.quick else 'full'}.",
+        f"surplus qualifying groups carried to the next batch (DAPO) or cut as in the paper (DAPO, surplus cut). "
+        f"Mode: {'quick' if opts.quick else 'full'}.",
         "",
-        "| metric | GRPO | DAPO |",
-        "|---|---|---|",
-        *[f"| {a} | {b} | {c} |" for a, b, c in rows],
+        "| metric | " + " | ".join(ARM_LABELS[arm] for arm in arms) + " |",
+        "|---" * (len(arms) + 1) + "|",
+        *["| " + " | ".join(row) + " |" for row in rows],
         "",
         f"DAPO - GRPO final accuracy: {100 * r['final_accuracy_dapo_minus_grpo']:+.1f} points; "
         f"wall-time ratio DAPO/GRPO {r['wall_seconds_dapo_over_grpo']:.2f} (same run, arms alternated); "
@@ -233,6 +236,7 @@ def plot(path: Path, runs: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
+    global ARMS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny budget: an end-to-end check")
     parser.add_argument("--budget", type=int, default=None, help="generated tokens per arm (default 300k; quick 3k)")
@@ -242,8 +246,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--grpo-beta", type=float, default=0.04, help="GRPO's KL coefficient (paper: 0.04)")
     parser.add_argument("--max-num-gen-batches", type=int, default=10)
-    parser.add_argument("--dapo-surplus", default="carry", choices=["carry", "discard"],
-                        help="surplus qualifying groups: carried to the next batch (default) or cut (the paper)")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ALL_ARMS),
+                        help="arms to run (dapo_discard: DAPO cutting surplus groups as in the paper)")
     parser.add_argument("--eval-every", type=int, default=None, help="generated tokens between evaluations")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 500; quick 100)")
     parser.add_argument("--out", default=str(HERE / "results"))
@@ -252,6 +256,7 @@ def main(argv=None) -> int:
                         help="combine the runs of several dapo.json files (e.g. one process per seed, run side by "
                              "side) into one table; the other options must be the ones those runs used")
     opts = parser.parse_args(argv)
+    ARMS = tuple(arm for arm in ALL_ARMS if arm in opts.arms or arm == "grpo" or arm == "dapo")
     opts.budget = opts.budget or (3_000 if opts.quick else 300_000)
     opts.seeds = opts.seeds or ([0] if opts.quick else [0, 1, 2])
     opts.batch = opts.batch or (64 if opts.quick else 256)
@@ -281,13 +286,16 @@ def main(argv=None) -> int:
 def merge(opts, paths: list[Path]) -> int:
     """One table from the runs of several result files (each process ran some seeds, side by side)."""
     results = [json.loads(p.read_text()) for p in paths]
-    runs = sorted((r for res in results for r in res["runs"]), key=lambda r: (r["seed"], ARMS.index(r["arm"])))
+    runs = sorted((r for res in results for r in res["runs"]), key=lambda r: (r["seed"], ALL_ARMS.index(r["arm"])))
     opts.seeds = sorted({r["seed"] for r in runs})
+    global ARMS
+    ARMS = tuple(arm for arm in ALL_ARMS if any(r["arm"] == arm for r in runs))
     meta0 = results[0]["meta"]
     for res in results:
-        for key in ("budget_tokens", "batch", "group", "lr", "grpo_beta", "eval_size", "dapo_surplus"):
+        for key in ("budget_tokens", "batch", "group", "lr", "grpo_beta", "eval_size", "arms"):
             if res["meta"].get(key) != meta0.get(key):
-                raise SystemExit(f"--merge: {key} differs between the files ({res['meta'].get(key)} vs {meta0.get(key)})")
+                raise SystemExit(f"--merge: {key} differs between the files "
+                                 f"({res['meta'].get(key)} vs {meta0.get(key)})")
     write_results(opts, runs, meta0["eval_size"], meta0.get("warmstart"),
                   note=f"{len(paths)} processes run side by side, one per seed")
     return 0
@@ -298,9 +306,10 @@ def write_results(opts, runs: list[dict], eval_size: int, warmstart, note: str |
     meta = dict(seeds=opts.seeds, eval_size=eval_size, budget_tokens=opts.budget, batch=opts.batch,
                 group=opts.group, lr=opts.lr, grpo_beta=opts.grpo_beta, quick=opts.quick,
                 torch_threads=torch.get_num_threads(), warmstart=warmstart, processes=note,
-                dapo_surplus=opts.dapo_surplus,
-                dapo_updates_per_rollout=toy_preset("dapo", {"per_device_train_batch_size": opts.batch,
-                                                              "num_generations": opts.group})["mini_batches_per_rollout"])
+                arms=list(ARMS),
+                dapo_updates_per_rollout=toy_preset(
+                    "dapo", {"per_device_train_batch_size": opts.batch, "num_generations": opts.group}
+                )["mini_batches_per_rollout"])
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, **{arm: summary[arm] for arm in ARMS}, "ratios": summary["ratios"], "runs": runs}

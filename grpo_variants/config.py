@@ -374,7 +374,8 @@ class GRPOVariantConfig(GRPOConfig):
             ours, theirs = f.default, trl_defaults[f.name]
             if ours != theirs and getattr(self, f.name) == ours:
                 out[f.name] = ours
-        if type(self).__dataclass_fields__["bf16"].default is None and self.bf16 is False and not torch.cuda.is_available():
+        no_cuda = not torch.cuda.is_available()
+        if type(self).__dataclass_fields__["bf16"].default is None and self.bf16 is False and no_cuda:
             out["bf16"] = False
         if self.gradient_checkpointing is False and not torch.cuda.is_available():
             out["gradient_checkpointing"] = False
@@ -390,7 +391,8 @@ class GRPOVariantConfig(GRPOConfig):
         if not values:
             return None
         listed = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        return f"grpo-variants {self.variant or 'base'}: defaults differing from TRL's: {listed} (set a field to override)."
+        name = self.variant or "base"
+        return f"grpo-variants {name}: defaults differing from TRL's: {listed} (set a field to override)."
 
     def epsilon_low_value(self) -> float:
         return self.epsilon

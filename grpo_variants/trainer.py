@@ -304,7 +304,8 @@ class GRPOVariantTrainer(DynamicSamplingMixin, GRPOTrainer):
         if args.dynamic_sampling and self._overrides_rollout():
             raise ConfigError(
                 f"dynamic_sampling=True composes with variants that keep TRL's rollout (grpo, dr_grpo, gspo, "
-                f"gspo_token, dapo, fipo); {type(self).__name__} rewrites the rollout itself. Set dynamic_sampling=False."
+                f"gspo_token, dapo, fipo); {type(self).__name__} rewrites the rollout itself. Set "
+                "dynamic_sampling=False."
             )
         if self.variant_name is not None:
             if args.use_adaptive_entropy:
@@ -668,8 +669,8 @@ class GRPOVariantTrainer(DynamicSamplingMixin, GRPOTrainer):
         from grpo_variants.losses import update_token_counts
 
         def tokens(batch):
-            mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
-            return mask.sum().float()
+            mask = batch["completion_mask"]
+            return (mask if "tool_mask" not in batch else mask * batch["tool_mask"]).sum().float()
 
         local = torch.stack([tokens(b) for b in self._buffered_inputs])
         counts = update_token_counts(self.accelerator.reduce(local, reduction="sum"), ga)

@@ -21,6 +21,7 @@ from grpo_variants.rewards.builtin import overlong_penalty_value
 from grpo_variants.variants.dapo import DAPOConfig, DAPOTrainer, select_groups
 
 NAN = float("nan")
+ONE_UPDATE = dict(mini_batches_per_rollout=None)  # one optimizer update per rollout (DAPO's default is 16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,13 +89,14 @@ def test_config_defaults_and_validation(tmp_path):
 def test_construction_errors(toy_model_path, small_train_dataset, make_args):
     with pytest.raises(ConfigError, match="dynamic_sampling_metric='acc'"):
         DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1",
-                    args=make_args(DAPOConfig, mini_batches_per_rollout=None, dynamic_sampling_metric="acc"), train_dataset=small_train_dataset)
+                    args=make_args(DAPOConfig, **ONE_UPDATE, dynamic_sampling_metric="acc"),
+                    train_dataset=small_train_dataset)
     with pytest.raises(ConfigError, match="map-style"):
-        DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=make_args(DAPOConfig, mini_batches_per_rollout=None),
+        DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=make_args(DAPOConfig, **ONE_UPDATE),
                     train_dataset=small_train_dataset.to_iterable_dataset())
     with pytest.raises(ConfigError, match="a second time"):
         DAPOTrainer(model=toy_model_path, reward_funcs=["toy_accuracy_pm1", "dapo_overlong"],
-                    args=make_args(DAPOConfig, mini_batches_per_rollout=None), train_dataset=small_train_dataset)
+                    args=make_args(DAPOConfig, **ONE_UPDATE), train_dataset=small_train_dataset)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -127,8 +129,8 @@ class _Recorder:
 
 def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_train_dataset, make_args):
     # 8 completions per micro-batch, 2 micro-batches per generation: 16 completions = 4 groups of 4 per rollout
-    args = make_args(DAPOConfig, mini_batches_per_rollout=None, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=2,
-                     overlong_penalty=False, max_num_gen_batches=0)
+    args = make_args(DAPOConfig, **ONE_UPDATE, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                     max_steps=2, overlong_penalty=False, max_num_gen_batches=0)
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
                           train_dataset=small_train_dataset)
     rec = _Recorder(trainer)
@@ -165,7 +167,8 @@ def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_trai
     assert trainer._tokens_generated_total == rec.generated_tokens > kept_tokens
     state = trainer.variant_state_dict()
     assert state["dynamic_sampling_rounds_total"] == rec.generate_calls
-    assert (state["dynamic_sampling_stream_epoch"], state["dynamic_sampling_stream_chunk"]) == (0, sum(i.rounds - 1 for _, i in rec.rollouts))
+    stream = (state["dynamic_sampling_stream_epoch"], state["dynamic_sampling_stream_chunk"])
+    assert stream == (0, sum(i.rounds - 1 for _, i in rec.rollouts))
 
 
 def test_retry_cap_raises_clear_error(toy_model_path, small_train_dataset, make_args):
@@ -173,7 +176,8 @@ def test_retry_cap_raises_clear_error(toy_model_path, small_train_dataset, make_
         return [1.0] * len(completions)
 
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs=constant_reward,
-                          args=make_args(DAPOConfig, mini_batches_per_rollout=None, max_num_gen_batches=3), train_dataset=small_train_dataset)
+                          args=make_args(DAPOConfig, **ONE_UPDATE, max_num_gen_batches=3),
+                          train_dataset=small_train_dataset)
     rec = _Recorder(trainer)
     with pytest.raises(DynamicSamplingError) as err:
         trainer.train()
@@ -188,7 +192,7 @@ def test_surplus_groups_are_cut_keeping_the_first(toy_model_path, small_train_da
     def always_varies(prompts, completions, **kwargs):  # every group qualifies: round 1 fills the batch
         return [float(i % 2) for i in range(len(completions))]
 
-    args = make_args(DAPOConfig, mini_batches_per_rollout=None, max_steps=1, dynamic_sampling_surplus="discard")
+    args = make_args(DAPOConfig, **ONE_UPDATE, max_steps=1, dynamic_sampling_surplus="discard")
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs=always_varies, args=args,
                           train_dataset=small_train_dataset)
     rec = _Recorder(trainer)
@@ -201,7 +205,8 @@ def test_surplus_groups_are_cut_keeping_the_first(toy_model_path, small_train_da
 def test_prompt_stream_resumes_exactly(toy_model_path, make_args):
     # 13 prompts, 4 groups per round: 3 rounds per epoch (one prompt left over), so 7 draws cross two epochs
     data = toy.make_dataset(n=13)
-    make = lambda: DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=make_args(DAPOConfig, mini_batches_per_rollout=None),
+    make = lambda: DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1",  # noqa: E731
+                               args=make_args(DAPOConfig, **ONE_UPDATE),
                                train_dataset=data)
 
     def draw(trainer, n):
@@ -277,7 +282,8 @@ def test_surplus_groups_are_carried_with_their_behaviour_logprobs(toy_model_path
         with torch.no_grad():
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-            logps = trainer._get_per_token_logps_and_entropies(model, ids, attention, inputs["completion_ids"].size(1))[0]
+            width = inputs["completion_ids"].size(1)
+            logps = trainer._get_per_token_logps_and_entropies(model, ids, attention, width)[0]
         at_loss.append(({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}, logps))
         return compute_loss(model, inputs)
 
@@ -335,7 +341,9 @@ def test_grpo_with_dynamic_sampling_resumes_exactly(toy_kit, tmp_path):
     second = spec.trainer_cls(model=toy_kit.model_path, reward_funcs=_three_of_four_groups_vary,
                               args=args(tmp_path / "b"), train_dataset=data)
     second.train(resume_from_checkpoint=str(ckpt))
-    keep = lambda r: {k: v for k, v in r.items() if "time" not in k and "per_s" not in k and not k.endswith("_s")}  # noqa: E731
+    def keep(record):  # logged values that do not measure time
+        return {k: v for k, v in record.items() if "time" not in k and "per_s" not in k and not k.endswith("_s")}
+
     ref = [keep(r) for r in first.state.log_history if "loss" in r and r["step"] > 2]
     res = [keep(r) for r in second.state.log_history if "loss" in r and r["step"] > 2]
     assert res == ref and len(res) == 2
@@ -347,7 +355,7 @@ def test_grpo_with_dynamic_sampling_resumes_exactly(toy_kit, tmp_path):
 # Overlong shaping (eq. 13) and overlong filtering
 # ------------------------------------------------------------------------------------------------
 def test_overlong_penalty_is_added_and_applied(toy_model_path, small_train_dataset, make_args):
-    args = make_args(DAPOConfig, mini_batches_per_rollout=None, max_steps=1, dynamic_sampling=False, overlong_buffer_len=3,
+    args = make_args(DAPOConfig, **ONE_UPDATE, max_steps=1, dynamic_sampling=False, overlong_buffer_len=3,
                      reward_weights=[2.0])
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
                           train_dataset=small_train_dataset)
@@ -376,7 +384,7 @@ def test_overlong_penalty_is_added_and_applied(toy_model_path, small_train_datas
 
 def test_truncated_completions_get_no_gradient(toy_model_path, small_train_dataset, make_args):
     # 3 new tokens: "82</s>" fits, "123</s>" is truncated
-    args = make_args(DAPOConfig, mini_batches_per_rollout=None, max_steps=1, max_completion_length=3, dynamic_sampling=False)
+    args = make_args(DAPOConfig, **ONE_UPDATE, max_steps=1, max_completion_length=3, dynamic_sampling=False)
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
                           train_dataset=small_train_dataset)
     rec = _Recorder(trainer)

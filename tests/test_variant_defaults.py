@@ -139,3 +139,15 @@ def test_kl_is_never_counted_twice(tmp_path):
     # TRL's own fields on a TRL loss stay accepted
     GRPOVariantConfig(output_dir=str(tmp_path), report_to="none", loss_type="cispo", beta=0.04,
                       ratio_level="token")
+
+
+@pytest.mark.parametrize("variant", ["igrpo", "mu_grpo"])
+def test_variants_that_rewrite_the_rollout_refuse_dynamic_sampling(variant, toy_model_path, small_train_dataset,
+                                                                   tmp_path):
+    spec = get_variant(variant)
+    extra = dict(stage_prompts=8, updates_per_stage=4) if variant == "mu_grpo" else {}
+    args = spec.config_cls(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=8,
+                           num_generations=4, max_completion_length=6, dynamic_sampling=True, **extra)
+    with pytest.raises(ConfigError, match="dynamic_sampling=True composes with variants that keep TRL's rollout"):
+        spec.trainer_cls(model=toy_model_path, reward_funcs="toy_accuracy", args=args,
+                         train_dataset=small_train_dataset)
