@@ -202,7 +202,9 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         "",
         f"Command: `python benchmarks/dapo_vs_grpo.py{' --quick' if opts.quick else ''}"
         f"{f' --budget {opts.budget}' if opts.budget != (3_000 if opts.quick else 300_000) else ''}"
-        f"{f' --batch {opts.batch}' if opts.batch != (64 if opts.quick else 256) else ''}`"
+        f"{f' --batch {opts.batch}' if opts.batch != (64 if opts.quick else 256) else ''}"
+        f"{' --eval-size ' + str(meta['eval_size']) if meta['eval_size'] != (100 if opts.quick else 500) else ''}"
+        f"{' --arms ' + ' '.join(arms) if len(arms) > 2 else ''}`"
         f"{' (' + meta['processes'] + ', then --merge)' if meta.get('processes') else ''}. Plot: dapo.png.",
     ]
     path.write_text("\n".join(lines) + "\n")
@@ -214,10 +216,10 @@ def plot(path: Path, runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"grpo": "tab:blue", "dapo": "tab:red"}
+    colors = {"grpo": "tab:blue", "dapo": "tab:red", "dapo_discard": "tab:orange"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for run in runs:
-        label = f"{run['arm'].upper()} seed {run['seed']}"
+        label = f"{ARM_LABELS[run['arm']]} seed {run['seed']}"
         xs = [p["tokens"] / 1000 for p in run["curve"]]
         ys = [p["accuracy"] for p in run["curve"]]
         axes[0].plot(xs, ys, "o-", ms=3, color=colors[run["arm"]], alpha=0.85, label=label)
