@@ -7,9 +7,12 @@ the same prompts, the same learning rate and completions per update, and stop on
 
 * GRPO: the registered ``grpo`` variant (DeepSeekMath: clip 0.2, seq-mean-token-mean, k3 KL with
   beta 0.04 (``--grpo-beta``)), reward ``toy_accuracy`` (1 / 0).
-* DAPO: the registered ``dapo`` variant (clip 0.2 / 0.28, dual clip 10, token-mean, dynamic sampling
-  with the retry cap, overlong shaping and filtering, beta 0), reward ``toy_accuracy_pm1`` (+1 / -1).
-  With group-std advantages the two reward scales give the same advantages.
+* DAPO: the registered ``dapo`` variant (clip 0.2 / 0.28, dual clip 10, token-mean per update, dynamic
+  sampling with the retry cap and surplus groups carried to the next batch, overlong shaping and
+  filtering, beta 0), reward ``toy_accuracy_pm1`` (+1 / -1). With group-std advantages the two reward
+  scales give the same advantages. Updates per rollout come from the lab's toy preset (4 instead of the
+  paper's 16, so one rollout does not overshoot the budget); both arms make one optimizer update per
+  ``--batch`` completions trained. ``--dapo-surplus discard`` restores the paper's cut of surplus groups.
 
 Measured per arm: held-out greedy accuracy against generated tokens (every ``--eval-every`` tokens,
 on ``--eval-size`` held-out problems), final accuracy, training wall seconds (evaluation time
@@ -38,16 +41,20 @@ HERE = Path(__file__).resolve().parent
 
 from _common import HeldOutEval, toy_run_config  # noqa: E402  (sets the offline environment first)
 
+from grpo_variants.lab import toy_preset  # noqa: E402
+
 import torch  # noqa: E402
 
 from grpo_variants import get_variant, toy  # noqa: E402
 from grpo_variants.callbacks import GenerationBudgetCallback  # noqa: E402
 
-ARMS = ("grpo", "dapo")
+ALL_ARMS = ("grpo", "dapo", "dapo_discard")
+ARM_LABELS = {"grpo": "GRPO", "dapo": "DAPO", "dapo_discard": "DAPO, surplus cut (paper)"}
+ARMS = ("grpo", "dapo")  # the arms run (main() sets it from --arms)
 
 
 def build(arm: str, kit, opts, seed: int, output_dir: str):
-    spec = get_variant(arm)
+    spec = get_variant("dapo" if arm.startswith("dapo") else arm)
     values = toy_run_config(output_dir, seed, opts.batch, opts.group, opts.lr,
                             max_steps=100_000)  # the generation budget stops training
     if arm == "grpo":
@@ -55,6 +62,8 @@ def build(arm: str, kit, opts, seed: int, output_dir: str):
         reward = "toy_accuracy"
     else:
         values["max_num_gen_batches"] = opts.max_num_gen_batches
+        values["dynamic_sampling_surplus"] = "discard" if arm == "dapo_discard" else "carry"
+        values.update(toy_preset(arm, values))  # 4 updates per rollout on the toy task
         reward = "toy_accuracy_pm1"
     config = spec.config_cls(**values)
     trainer = spec.trainer_cls(model=kit.model_path, reward_funcs=reward, args=config,
@@ -76,13 +85,18 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
     history = trainer.state.log_history
     generated = int(trainer._tokens_generated_total)
     rollouts = int(trainer._generation_rounds_total)  # optimisation batches (one rollout each)
-    rounds = int(getattr(trainer, "_ds_rounds_total", rollouts))  # generate calls (DAPO: >= rollouts)
+    # generate calls per optimisation batch (GRPO: 1; dynamic sampling re-samples)
+    rounds = int(trainer._ds_rounds_total) if trainer.args.dynamic_sampling else rollouts
     pass_rates = [r["dynamic_sampling/pass_rate"] for r in history if "dynamic_sampling/pass_rate" in r]
     zero_std = [r["frac_reward_zero_std"] for r in history if "frac_reward_zero_std" in r]
+    clip_high = [r["clip_ratio/high_mean"] for r in history if "clip_ratio/high_mean" in r]
     return dict(
         arm=arm,
         seed=seed,
         final_accuracy=evaluator.curve[-1]["accuracy"],
+        accuracy_gain_per_100k_tokens=(evaluator.curve[-1]["accuracy"] - evaluator.curve[0]["accuracy"])
+        / max(generated, 1) * 1e5,
+        clip_high_mean=statistics.mean(clip_high) if clip_high else 0.0,
         initial_accuracy=evaluator.curve[0]["accuracy"],
         wall_seconds=round(wall, 2),
         generated_tokens=generated,
@@ -107,6 +121,10 @@ def summarise(runs: list[dict]) -> dict:
             seeds=[r["seed"] for r in mine],
             final_accuracy=mean("final_accuracy"),
             final_accuracy_per_seed=[r["final_accuracy"] for r in mine],
+            accuracy_gain_per_100k_tokens=mean("accuracy_gain_per_100k_tokens"),
+            useful_token_fraction_per_seed=[r["useful_token_fraction"] for r in mine],
+            generation_rounds_per_step_per_seed=[r["generation_rounds_per_step"] for r in mine],
+            clip_high_mean=mean("clip_high_mean"),
             initial_accuracy=mean("initial_accuracy"),
             wall_seconds=mean("wall_seconds"),
             generated_tokens=mean("generated_tokens"),
@@ -137,22 +155,28 @@ def _curve_mean(curve: list[dict]) -> float:
 
 
 def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
-    g, d = summary["grpo"], summary["dapo"]
+    arms = [arm for arm in ALL_ARMS if arm in summary]
+    g = summary["grpo"]
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
-    rows = [
-        ("final held-out accuracy (greedy)", pct(g["final_accuracy"]), pct(d["final_accuracy"])),
-        ("per seed", ", ".join(pct(x) for x in g["final_accuracy_per_seed"]),
-         ", ".join(pct(x) for x in d["final_accuracy_per_seed"])),
-        ("mean accuracy over the budget", pct(g["mean_accuracy_over_budget"]), pct(d["mean_accuracy_over_budget"])),
-        ("generated tokens", f"{g['generated_tokens']:,.0f}", f"{d['generated_tokens']:,.0f}"),
-        ("useful-token fraction", f"{g['useful_token_fraction']:.3f}", f"{d['useful_token_fraction']:.3f}"),
-        ("optimizer steps", f"{g['optimizer_steps']:.1f}", f"{d['optimizer_steps']:.1f}"),
-        ("generation rounds per step", f"{g['generation_rounds_per_step']:.2f}",
-         f"{d['generation_rounds_per_step']:.2f}"),
-        ("groups with zero reward std (generated)", pct(g["frac_reward_zero_std"]), pct(d["frac_reward_zero_std"])),
-        ("dynamic-sampling pass rate", "-", pct(d["dynamic_sampling_pass_rate"] or 0.0)),
-        ("training wall seconds (eval excluded)", f"{g['wall_seconds']:.1f}", f"{d['wall_seconds']:.1f}"),
+    per_arm = [
+        ("final held-out accuracy (greedy)", lambda a: pct(a["final_accuracy"])),
+        ("per seed", lambda a: ", ".join(pct(x) for x in a["final_accuracy_per_seed"])),
+        ("mean accuracy over the budget", lambda a: pct(a["mean_accuracy_over_budget"])),
+        ("accuracy gain per 100k generated tokens (points)",
+         lambda a: f"{100 * a['accuracy_gain_per_100k_tokens']:.1f}"),
+        ("generated tokens", lambda a: f"{a['generated_tokens']:,.0f}"),
+        ("useful-token fraction", lambda a: f"{a['useful_token_fraction']:.3f}"),
+        ("useful-token fraction per seed",
+         lambda a: ", ".join(f"{x:.3f}" for x in a["useful_token_fraction_per_seed"])),
+        ("optimizer steps", lambda a: f"{a['optimizer_steps']:.1f}"),
+        ("generation rounds per optimisation batch", lambda a: f"{a['generation_rounds_per_step']:.2f}"),
+        ("tokens clipped at the upper bound (mean per update)", lambda a: f"{a['clip_high_mean']:.4f}"),
+        ("groups with zero reward std (generated)", lambda a: pct(a["frac_reward_zero_std"])),
+        ("dynamic-sampling pass rate", lambda a: "-" if a["dynamic_sampling_pass_rate"] is None
+         else pct(a["dynamic_sampling_pass_rate"])),
+        ("training wall seconds (eval excluded)", lambda a: f"{a['wall_seconds']:.1f}"),
     ]
+    rows = [(name, *[fn(summary[arm]) for arm in arms]) for name, fn in per_arm]
     r = summary["ratios"]
     lines = [
         "# DAPO vs GRPO on the toy task at an equal generation budget",
@@ -160,11 +184,13 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"Warm-started toy policy (held-out greedy accuracy at start {pct(g['initial_accuracy'])}), "
         f"{opts.batch} completions per update ({opts.batch // opts.group} prompts x {opts.group}), lr {opts.lr:g}, "
         f"budget {opts.budget:,} generated tokens per arm, seeds {meta['seeds']}, {meta['eval_size']} held-out "
-        f"problems. GRPO beta = {opts.grpo_beta:g}. Mode: {'quick' if opts.quick else 'full'}.",
+        f"problems. GRPO beta = {opts.grpo_beta:g}. DAPO: {meta.get('dapo_updates_per_rollout')} updates per rollout, "
+        f"surplus qualifying groups carried to the next batch (DAPO) or cut as in the paper (DAPO, surplus cut). "
+        f"Mode: {'quick' if opts.quick else 'full'}.",
         "",
-        "| metric | GRPO | DAPO |",
-        "|---|---|---|",
-        *[f"| {a} | {b} | {c} |" for a, b, c in rows],
+        "| metric | " + " | ".join(ARM_LABELS[arm] for arm in arms) + " |",
+        "|---" * (len(arms) + 1) + "|",
+        *["| " + " | ".join(row) + " |" for row in rows],
         "",
         f"DAPO - GRPO final accuracy: {100 * r['final_accuracy_dapo_minus_grpo']:+.1f} points; "
         f"wall-time ratio DAPO/GRPO {r['wall_seconds_dapo_over_grpo']:.2f} (same run, arms alternated); "
@@ -174,7 +200,12 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"{meta['eval_size']} held-out problems one accuracy value has a standard error of about "
         f"{100 * (0.25 / meta['eval_size']) ** 0.5:.1f} points.",
         "",
-        f"Command: `python benchmarks/dapo_vs_grpo.py{' --quick' if opts.quick else ''}`. Plot: dapo.png.",
+        f"Command: `python benchmarks/dapo_vs_grpo.py{' --quick' if opts.quick else ''}"
+        f"{f' --budget {opts.budget}' if opts.budget != (3_000 if opts.quick else 300_000) else ''}"
+        f"{f' --batch {opts.batch}' if opts.batch != (64 if opts.quick else 256) else ''}"
+        f"{' --eval-size ' + str(meta['eval_size']) if meta['eval_size'] != (100 if opts.quick else 500) else ''}"
+        f"{' --arms ' + ' '.join(arms) if len(arms) > 2 else ''}`"
+        f"{' (' + meta['processes'] + ', then --merge)' if meta.get('processes') else ''}. Plot: dapo.png.",
     ]
     path.write_text("\n".join(lines) + "\n")
 
@@ -185,10 +216,10 @@ def plot(path: Path, runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"grpo": "tab:blue", "dapo": "tab:red"}
+    colors = {"grpo": "tab:blue", "dapo": "tab:red", "dapo_discard": "tab:orange"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for run in runs:
-        label = f"{run['arm'].upper()} seed {run['seed']}"
+        label = f"{ARM_LABELS[run['arm']]} seed {run['seed']}"
         xs = [p["tokens"] / 1000 for p in run["curve"]]
         ys = [p["accuracy"] for p in run["curve"]]
         axes[0].plot(xs, ys, "o-", ms=3, color=colors[run["arm"]], alpha=0.85, label=label)
@@ -207,6 +238,7 @@ def plot(path: Path, runs: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
+    global ARMS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny budget: an end-to-end check")
     parser.add_argument("--budget", type=int, default=None, help="generated tokens per arm (default 300k; quick 3k)")
@@ -216,20 +248,30 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--grpo-beta", type=float, default=0.04, help="GRPO's KL coefficient (paper: 0.04)")
     parser.add_argument("--max-num-gen-batches", type=int, default=10)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ALL_ARMS),
+                        help="arms to run (dapo_discard: DAPO cutting surplus groups as in the paper)")
     parser.add_argument("--eval-every", type=int, default=None, help="generated tokens between evaluations")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 500; quick 100)")
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: up to 2)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="DAPO_JSON",
+                        help="combine the runs of several dapo.json files (e.g. one process per seed, run side by "
+                             "side) into one table; the other options must be the ones those runs used")
     opts = parser.parse_args(argv)
+    ARMS = tuple(arm for arm in ALL_ARMS if arm in opts.arms or arm == "grpo" or arm == "dapo")
     opts.budget = opts.budget or (3_000 if opts.quick else 300_000)
     opts.seeds = opts.seeds or ([0] if opts.quick else [0, 1, 2])
     opts.batch = opts.batch or (64 if opts.quick else 256)
     opts.eval_every = opts.eval_every or max(opts.budget // 10, 1)
     opts.eval_size = opts.eval_size or (100 if opts.quick else 500)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(opts.threads or max(1, min(2, os.cpu_count() or 1)))
+    if opts.merge:
+        return merge(opts, [Path(p) for p in opts.merge])
 
     kit = toy.prepare(task="addition", verbose=True)
     eval_dataset = kit.eval_dataset.select(range(min(opts.eval_size, len(kit.eval_dataset))))
     runs = []
+    eval_size = len(eval_dataset)
     for seed in opts.seeds:
         for arm in ARMS:
             print(f"[dapo_vs_grpo] {arm} seed {seed}: budget {opts.budget:,} generated tokens", flush=True)
@@ -239,10 +281,37 @@ def main(argv=None) -> int:
                   f"useful {run['useful_token_fraction']:.3f}, rounds/step {run['generation_rounds_per_step']:.2f}, "
                   f"{run['wall_seconds']:.1f} s", flush=True)
             runs.append(run)
+    write_results(opts, runs, eval_size, kit.warmstart.get("probe_accuracy"))
+    return 0
+
+
+def merge(opts, paths: list[Path]) -> int:
+    """One table from the runs of several result files (each process ran some seeds, side by side)."""
+    results = [json.loads(p.read_text()) for p in paths]
+    runs = sorted((r for res in results for r in res["runs"]), key=lambda r: (r["seed"], ALL_ARMS.index(r["arm"])))
+    opts.seeds = sorted({r["seed"] for r in runs})
+    global ARMS
+    ARMS = tuple(arm for arm in ALL_ARMS if any(r["arm"] == arm for r in runs))
+    meta0 = results[0]["meta"]
+    for res in results:
+        for key in ("budget_tokens", "batch", "group", "lr", "grpo_beta", "eval_size", "arms"):
+            if res["meta"].get(key) != meta0.get(key):
+                raise SystemExit(f"--merge: {key} differs between the files "
+                                 f"({res['meta'].get(key)} vs {meta0.get(key)})")
+    write_results(opts, runs, meta0["eval_size"], meta0.get("warmstart"),
+                  note=f"{len(paths)} processes run side by side, one per seed")
+    return 0
+
+
+def write_results(opts, runs: list[dict], eval_size: int, warmstart, note: str | None = None) -> None:
     summary = summarise(runs)
-    meta = dict(seeds=opts.seeds, eval_size=len(eval_dataset), budget_tokens=opts.budget, batch=opts.batch,
+    meta = dict(seeds=opts.seeds, eval_size=eval_size, budget_tokens=opts.budget, batch=opts.batch,
                 group=opts.group, lr=opts.lr, grpo_beta=opts.grpo_beta, quick=opts.quick,
-                torch_threads=torch.get_num_threads(), warmstart=kit.warmstart.get("probe_accuracy"))
+                torch_threads=torch.get_num_threads(), warmstart=warmstart, processes=note,
+                arms=list(ARMS),
+                dapo_updates_per_rollout=toy_preset(
+                    "dapo", {"per_device_train_batch_size": opts.batch, "num_generations": opts.group}
+                )["mini_batches_per_rollout"])
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, **{arm: summary[arm] for arm in ARMS}, "ratios": summary["ratios"], "runs": runs}
@@ -250,7 +319,6 @@ def main(argv=None) -> int:
     write_markdown(out / "dapo.md", summary, opts, meta)
     plot(out / "dapo.png", runs)
     print((out / "dapo.md").read_text())
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,6 +35,20 @@ SCALE_REWARDS_TO_ADVANTAGE = {"group": "group_std", "none": "group_mean", "batch
 ADVANTAGE_TO_SCALE_REWARDS = {v: k for k, v in SCALE_REWARDS_TO_ADVANTAGE.items()}
 
 VETO_SCOPES = ("T", "S_kappa", "H_kappa", "S_seq")
+DYNAMIC_SAMPLING_FILTERS = ("nonzero_std", "band")
+DYNAMIC_SAMPLING_SURPLUS = ("carry", "discard")
+# Fields only our composed loss reads, with their inactive value: set on a path that defers to TRL's own
+# loss (a TRL loss_type we do not compose, or use_adaptive_entropy) they would be silently ignored.
+COMPOSED_LOSS_ONLY = {
+    "clip_ratio_c": None,
+    "veto_scope": None,
+    "fipo": False,
+    "kl_estimator": "k3",
+}
+
+
+def _raise(err: Exception):
+    raise err
 
 
 @dataclass
@@ -68,6 +82,15 @@ class GRPOVariantConfig(GRPOConfig):
             "None follows `loss_type` (grpo, bnpo, dr_grpo, dapo)."
         },
     )
+    mini_batches_per_rollout: int | None = field(
+        default=None,
+        metadata={
+            "help": "Optimizer updates per rollout (the papers' mini-batches): sets steps_per_generation = this x "
+            "gradient_accumulation_steps unless steps_per_generation or generation_batch_size is given (one "
+            "update = per_device_train_batch_size x processes x gradient_accumulation_steps completions). "
+            "None: TRL's default (one update per rollout)."
+        },
+    )
     clip_ratio_c: float | None = field(
         default=None, metadata={"help": "Dual-clip bound c (> 1) for negative advantages (verl's clip_ratio_c)."}
     )
@@ -93,6 +116,40 @@ class GRPOVariantConfig(GRPOConfig):
     fipo_drop_multi_dual_clip: bool = field(
         default=True,
         metadata={"help": "FIPO: drop a response with more than one negative-advantage token in the dual-clip regime."},
+    )
+    # ---- dynamic sampling (grpo_variants.sampling; any variant) ------------------------------
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "Drop groups that carry no signal and re-sample until the batch is full (DAPO's dynamic "
+                  "sampling; any variant can turn it on)."},
+    )
+    dynamic_sampling_surplus: str = field(
+        default="carry",
+        metadata={"help": "Qualifying groups beyond the batch: 'carry' keeps them (with their behaviour log-probs "
+                  "and advantages) for the next optimisation batch; 'discard' cuts them (the paper / verl)."},
+    )
+    max_num_gen_batches: int = field(
+        default=10,
+        metadata={"help": "Generation rounds allowed per optimisation batch before DynamicSamplingError (0 = no cap)."},
+    )
+    dynamic_sampling_filter: str = field(
+        default="nonzero_std",
+        metadata={"help": "nonzero_std: drop groups whose values are all equal | band: keep accuracy in [low, high]."},
+    )
+    dynamic_sampling_metric: str = field(
+        default="task_reward",
+        metadata={"help": "Per-completion value the filter reads: 'task_reward' (weighted sum without DAPO's "
+                  "auto-added overlong penalty, the paper's accuracy), 'reward' (weighted sum of all) or one "
+                  "reward function's name."},
+    )
+    dynamic_sampling_band_low: float = field(
+        default=0.0, metadata={"help": "Band-pass: lowest group mean accuracy kept (inclusive)."}
+    )
+    dynamic_sampling_band_high: float = field(
+        default=1.0, metadata={"help": "Band-pass: highest group mean accuracy kept (inclusive)."}
+    )
+    dynamic_sampling_correct_threshold: float = field(
+        default=0.0, metadata={"help": "Band-pass: a completion counts as correct when its value is > this."}
     )
     # ---- rewards ---------------------------------------------------------------------------
     reward_timeout: float | None = field(
@@ -160,6 +217,12 @@ class GRPOVariantConfig(GRPOConfig):
             self.bf16 = False
         if self.gradient_checkpointing is None:
             self.gradient_checkpointing = not no_cuda
+        if self.mini_batches_per_rollout is not None:
+            k = self.mini_batches_per_rollout
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ConfigError(f"mini_batches_per_rollout ({k!r}) must be an integer >= 1 or None.")
+            if self.steps_per_generation is None and self.generation_batch_size is None:
+                self.steps_per_generation = k * self.gradient_accumulation_steps
         self._validate_batch_fields()
         try:
             super().__post_init__()
@@ -275,6 +338,94 @@ class GRPOVariantConfig(GRPOConfig):
             raise ConfigError(f"max_consecutive_nonfinite ({self.max_consecutive_nonfinite}) must be >= 1.")
         if self.kl_in_reward and self.beta == 0.0:
             raise ConfigError("kl_in_reward=True needs beta > 0 (the KL coefficient subtracted from the reward).")
+        self._validate_dynamic_sampling_fields()
+        self._refuse_unhonoured_options()
+
+    def _validate_dynamic_sampling_fields(self) -> None:
+        check = lambda name, value, allowed: value in allowed or _raise(  # noqa: E731
+            ConfigError(f"{name}={value!r} is not valid; choose one of {list(allowed)}."))
+        check("dynamic_sampling_filter", self.dynamic_sampling_filter, DYNAMIC_SAMPLING_FILTERS)
+        check("dynamic_sampling_surplus", self.dynamic_sampling_surplus, DYNAMIC_SAMPLING_SURPLUS)
+        if isinstance(self.max_num_gen_batches, bool) or int(self.max_num_gen_batches) < 0:
+            raise ConfigError(
+                f"max_num_gen_batches ({self.max_num_gen_batches}) must be >= 0 (0 = no cap; verl uses 10)."
+            )
+        low, high = self.dynamic_sampling_band_low, self.dynamic_sampling_band_high
+        if not 0.0 <= low <= high <= 1.0:
+            raise ConfigError(
+                f"dynamic_sampling_band_low ({low}) and dynamic_sampling_band_high ({high}) must satisfy "
+                "0 <= low <= high <= 1 (group mean accuracies)."
+            )
+        if self.dynamic_sampling and self.dynamic_sampling_filter == "band" and low <= 0.0 and high >= 1.0:
+            raise ConfigError(
+                "dynamic_sampling_filter='band' with the band [0, 1] keeps every group: set "
+                "dynamic_sampling_band_low / dynamic_sampling_band_high (e.g. 0.1 and 0.9)."
+            )
+
+    def _refuse_unhonoured_options(self) -> None:
+        """Variant-only options on a path that defers to TRL's own loss would be silently ignored: refuse them."""
+        trl_path = self.resolved_aggregation is None or self.use_adaptive_entropy
+        if not trl_path:
+            return
+        if self.variant is not None and self.use_adaptive_entropy:
+            raise ConfigError(
+                f"variant {self.variant!r} composes its own loss and does not support use_adaptive_entropy=True (TRL's "
+                "adaptive entropy controller, which defers to TRL's own loss); use a static entropy_coef or set it to "
+                "False."
+            )
+        why = (f"loss_type={self.loss_type!r} is a TRL loss this package does not compose"
+               if self.resolved_aggregation is None else "use_adaptive_entropy=True defers to TRL's own loss")
+        set_here = [name for name, inactive in COMPOSED_LOSS_ONLY.items() if getattr(self, name) != inactive]
+        if self.aggregation is not None:
+            set_here.append("aggregation")
+        if self.ratio_level is not None and self.ratio_level != self.importance_sampling_level:
+            set_here.append("ratio_level")  # TRL's loss reads importance_sampling_level only
+        if set_here:
+            raise ConfigError(
+                f"{why}, which cannot honour {', '.join(f'{n}={getattr(self, n)!r}' for n in set_here)}. Use a "
+                "composed loss_type (grpo, bnpo, dr_grpo, dapo) or leave those options at their defaults."
+            )
+        if self.kl_in_reward:
+            raise ConfigError(
+                f"kl_in_reward=True with {why}: TRL's loss adds beta x KL itself, so the KL would be counted twice "
+                "(reward and loss). Use a composed loss_type (grpo, bnpo, dr_grpo, dapo) or kl_in_reward=False."
+            )
+
+    # ---- the defaults this config sets differently from TRL ---------------------------------------
+    def defaults_differing_from_trl(self) -> dict:
+        """``{field: value}`` for every field left at this config's default where that default is not TRL's.
+
+        Includes the CPU-only ``bf16`` / ``gradient_checkpointing`` resolution. The trainer announces them in one line.
+        """
+        from dataclasses import MISSING, fields
+
+        trl_defaults = {f.name: f.default for f in fields(GRPOConfig) if f.init and f.default is not MISSING}
+        out = {}
+        for f in fields(self):
+            if not f.init or f.name not in trl_defaults or f.default is MISSING:
+                continue
+            ours, theirs = f.default, trl_defaults[f.name]
+            if ours != theirs and getattr(self, f.name) == ours:
+                out[f.name] = ours
+        no_cuda = not torch.cuda.is_available()
+        if type(self).__dataclass_fields__["bf16"].default is None and self.bf16 is False and no_cuda:
+            out["bf16"] = False
+        if self.gradient_checkpointing is False and not torch.cuda.is_available():
+            out["gradient_checkpointing"] = False
+        derived = self.mini_batches_per_rollout
+        if derived is not None and self.steps_per_generation == derived * self.gradient_accumulation_steps:
+            out["steps_per_generation"] = self.steps_per_generation
+        return out
+
+    def announce_defaults(self) -> str | None:
+        """One line naming every default we set differently from TRL (None when there is none)."""
+        values = self.defaults_differing_from_trl()
+        values.pop("variant", None)
+        if not values:
+            return None
+        listed = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        name = self.variant or "base"
+        return f"grpo-variants {name}: defaults differing from TRL's: {listed} (set a field to override)."
 
     def epsilon_low_value(self) -> float:
         return self.epsilon

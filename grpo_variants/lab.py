@@ -145,8 +145,8 @@ def toy_preset(variant: str, config: dict) -> dict:
     * µ-GRPO: a stage of 4 optimizer mini-batches (stage_prompts = 4 x completions per update / G), each
       visited twice (µ = 8 updates per rollout refresh; the paper uses µ = 1,024 at 7B scale). On the toy
       model an update costs more than generating its batch, so a larger µ mostly buys wall time here.
-    * FIPO: 4 mini-batches per rollout instead of the recipe's 16 (FIPO needs more than one to be
-      off-policy at all; 16 x 128 completions would overshoot small budgets by a whole rollout).
+    * DAPO, FIPO: 4 mini-batches per rollout instead of the recipe's 16 (more than one makes the clip act
+      at all; 16 x 128 completions would overshoot small budgets by a whole rollout).
     * iGRPO: N + G = the shared group size (N = G = num_generations / 2, the paper's 4 + 4 for G = 8) and
       the toy kit's draft template (the toy vocabulary has no letters).
     """
@@ -156,7 +156,7 @@ def toy_preset(variant: str, config: dict) -> dict:
         stage_prompts = max(1, 4 * per_update // generations)
         mini_batches = stage_prompts * generations // per_update
         return {"stage_prompts": stage_prompts, "updates_per_stage": 2 * mini_batches}
-    if variant == "fipo":
+    if variant in ("dapo", "fipo"):
         return {"mini_batches_per_rollout": 4}
     if variant == "igrpo" and generations >= 4 and generations % 2 == 0:
         from grpo_variants.variants.igrpo import TOY_DRAFT_TEMPLATE

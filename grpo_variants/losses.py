@@ -52,6 +52,8 @@ __all__ = [
     "get_kl_estimator",
     "group_mean_advantages",
     "group_std_advantages",
+    "zero_std_groups",
+    "update_token_counts",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -116,35 +118,65 @@ def _nanstd(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     return std if keepdim else std.squeeze(dim)
 
 
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """One bool per group: its scorable rewards have zero std.
+
+    True when TRL's own test behind ``frac_reward_zero_std`` says so (``torch.isclose(std, 0)`` on the
+    unbiased NaN-aware std) or when every scorable reward of the group is exactly equal. The second
+    test is needed because rewards such as 0.1, 0.7 or 1.2 are not exactly representable: their float
+    mean differs from the value by an ulp, TRL's two-pass ``nanstd`` is then ~1e-8..1e-7 (0.7 x 8 is
+    not "close" to 0) and (R - mean) / (std + 1e-4) is ~1e-4..1e-3 of one sign instead of 0. A group
+    with no scorable reward is not flagged (its advantages are 0 anyway).
+    """
+    grouped = _grouped(rewards, group_size)
+    std = _nanstd(grouped, dim=1)
+    scorable = ~torch.isnan(grouped)
+    high = torch.where(scorable, grouped, torch.full_like(grouped, -torch.inf)).amax(dim=1)
+    low = torch.where(scorable, grouped, torch.full_like(grouped, torch.inf)).amin(dim=1)
+    return torch.isclose(std, torch.zeros_like(std)) | (scorable.any(dim=1) & (high == low))
+
+
+def _zero_constant_groups(advantages: torch.Tensor, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    constant = zero_std_groups(rewards, group_size).repeat_interleave(group_size)
+    return torch.where(constant, torch.zeros_like(advantages), advantages)
+
+
 def group_std_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """GRPO advantage: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased.
 
     ``rewards`` is flat (N,), ordered in consecutive groups of ``group_size``. NaN rewards
     (unscorable completions) are ignored in the group mean and std (nanmean, nan-aware unbiased
-    std) and get advantage 0, as in TRL 1.16. A group whose std is 0 gets A = 0 exactly (R - mean
-    = 0); a group with fewer than two scorable rewards also gets 0 (its std is undefined).
+    std) and get advantage 0, as in TRL 1.16. A group whose std is zero (:func:`zero_std_groups`)
+    gets A = 0 exactly for every member; a group with fewer than two scorable rewards also gets 0
+    (its std is undefined).
     """
     g = _grouped(rewards, group_size)
     mean = torch.nanmean(g, dim=1, keepdim=True)
     std = _nanstd(g, dim=1, keepdim=True)
-    return torch.nan_to_num((g - mean) / (std + eps), nan=0.0).reshape(-1)
+    advantages = torch.nan_to_num((g - mean) / (std + eps), nan=0.0).reshape(-1)
+    return _zero_constant_groups(advantages, rewards, group_size)
 
 
 def group_mean_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Dr.GRPO advantage: A_i = R_i - mean_g R (NaN rewards ignored in the mean, advantage 0)."""
+    """Dr.GRPO advantage: A_i = R_i - mean_g R (NaN rewards ignored in the mean, advantage 0).
+
+    A zero-std group (:func:`zero_std_groups`) gets A = 0 exactly.
+    """
     g = _grouped(rewards, group_size)
-    return torch.nan_to_num(g - torch.nanmean(g, dim=1, keepdim=True), nan=0.0).reshape(-1)
+    advantages = torch.nan_to_num(g - torch.nanmean(g, dim=1, keepdim=True), nan=0.0).reshape(-1)
+    return _zero_constant_groups(advantages, rewards, group_size)
 
 
 def batch_std_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """TRL ``scale_rewards="batch"``: A_i = (R_i - mean_g R) / (std_batch R + eps).
 
     Group mean, unbiased nan-aware std over the whole batch; NaN rewards get 0. A batch with
-    fewer than two scorable rewards gives A = 0 everywhere.
+    fewer than two scorable rewards gives A = 0 everywhere; a group whose own std is zero gets 0 exactly.
     """
     g = _grouped(rewards, group_size)
     std = _nanstd(rewards)
-    return torch.nan_to_num((g - torch.nanmean(g, dim=1, keepdim=True)) / (std + eps), nan=0.0).reshape(-1)
+    advantages = torch.nan_to_num((g - torch.nanmean(g, dim=1, keepdim=True)) / (std + eps), nan=0.0).reshape(-1)
+    return _zero_constant_groups(advantages, rewards, group_size)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
@@ -281,10 +313,13 @@ def aggregate_seq_mean_token_mean(per_token_loss, mask, *, num_items=None, max_c
 def aggregate_token_mean(per_token_loss, mask, *, num_items=None, max_completion_length=None):
     """sum_{i,t} M l / N (DAPO token-level loss).
 
-    N = ``num_items``, the caller's normaliser; for DAPO's global token mean it must be the
-    token count of the whole optimisation batch expressed per micro-batch, e.g. TRL's
-    num_items_in_batch / num_processes * grad_accum_steps / steps_per_generation (so that DDP's
-    gradient averaging and accumulation's summing give the global token mean). N is clamped at 1.
+    N = ``num_items``, the caller's normaliser; for DAPO's global token mean it is the loss-mask
+    token count of this update's optimisation batch (every process, every micro-batch of the
+    accumulation window) divided by the number of processes (DDP averages the gradients), so that
+    summing the micro-batches' losses gives sum_{i,t} M l / sum_{i,t} M over the update
+    (:func:`update_token_counts`). TRL's ``dapo`` loss uses the rollout's average instead,
+    num_items_in_batch / num_processes * grad_accum_steps / steps_per_generation, which differs
+    when one rollout feeds several updates of unequal lengths. N is clamped at 1.
     With ``num_items=None`` N = max(sum M, 1) over this micro-batch (TRL ``bnpo``).
     """
     ml, m = _masked(per_token_loss, mask)
@@ -295,6 +330,24 @@ def aggregate_token_mean(per_token_loss, mask, *, num_items=None, max_completion
     else:
         denom = max(float(num_items), 1.0)
     return ml.sum() / denom
+
+
+def update_token_counts(micro_batch_tokens: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
+    """Token count of each micro-batch's optimisation update, per micro-batch.
+
+    ``micro_batch_tokens`` (S,) holds the loss-mask tokens of the S micro-batches of one rollout in
+    the order they are trained, already summed over processes; consecutive windows of
+    ``accumulation_steps`` micro-batches form one update (S must be a multiple). Returns (S,): entry k
+    is the total of k's window.
+    """
+    S = micro_batch_tokens.numel()
+    if accumulation_steps < 1 or S % accumulation_steps != 0:
+        raise ConfigError(
+            f"{S} micro-batches per rollout do not split into optimizer updates of {accumulation_steps} "
+            "micro-batches: steps_per_generation must be a multiple of gradient_accumulation_steps."
+        )
+    windows = micro_batch_tokens.reshape(-1, accumulation_steps).sum(dim=1)
+    return windows.repeat_interleave(accumulation_steps)
 
 
 def aggregate_seq_mean_token_sum(per_token_loss, mask, *, num_items=None, max_completion_length=None):

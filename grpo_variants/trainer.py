@@ -35,6 +35,9 @@ from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError, DatasetError, ModelPathError, UnknownRewardError
 from grpo_variants.losses import LossSpec, compute_policy_loss
 from grpo_variants.rollout_logprobs import SampledLogprobRecorder
+from grpo_variants.sampling import DynamicSamplingMixin
+
+logger = logging.getLogger(__name__)
 
 # Inputs TRL forwards to the model for multimodal batches; passed through untouched.
 _FORWARD_KEYS = (
@@ -296,7 +299,7 @@ def model_card_section(args, spec, title: str, paper_id: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # The trainer
 # ------------------------------------------------------------------------------------------------
-class GRPOVariantTrainer(GRPOTrainer):
+class GRPOVariantTrainer(DynamicSamplingMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss is composed from :mod:`grpo_variants.losses` by the config.
 
     Drop-in for TRL's trainer: same constructor, same config fields (plus ours). Variants subclass
@@ -331,6 +334,7 @@ class GRPOVariantTrainer(GRPOTrainer):
                 f"functions ({[getattr(f, '__name__', f) for f in reward_funcs]}): give one weight per function."
             )
         self._check_args(args)
+        self._init_dynamic_sampling(args, train_dataset)
         reward_funcs = self._wrap_rewards(reward_funcs, args)
         # Phase timers and token counters (see `_timed` and `_record_generated_tokens`).
         self._phase_time = {"generation": 0.0, "reward": 0.0, "logprobs": 0.0, "rollout": 0.0}
@@ -362,7 +366,11 @@ class GRPOVariantTrainer(GRPOTrainer):
             **kwargs,
         )
         self.loss_spec = self._build_loss_spec()
+        self._check_dynamic_sampling_metric()
         self._record_rollout_logprobs = self._rollout_logprobs_supported()
+        announcement = self.args.announce_defaults() if hasattr(self.args, "announce_defaults") else None
+        if announcement and self.accelerator.is_main_process:
+            logger.warning(announcement)
         if torch.cuda.is_available():  # model FLOPs utilisation (throughput/mfu); never logged on CPU
             from grpo_variants.callbacks import MFUCallback
 
@@ -406,12 +414,24 @@ class GRPOVariantTrainer(GRPOTrainer):
                 "kl_in_reward=True needs multi_objective_aggregation='sum_then_normalize' (the KL is subtracted "
                 "from the weighted reward sum before the group normalisation)."
             )
+        if args.dynamic_sampling and self._overrides_rollout():
+            raise ConfigError(
+                f"dynamic_sampling=True composes with variants that keep TRL's rollout (grpo, dr_grpo, gspo, "
+                f"gspo_token, dapo, fipo); {type(self).__name__} rewrites the rollout itself. Set "
+                "dynamic_sampling=False."
+            )
         if self.variant_name is not None:
             if args.use_adaptive_entropy:
                 raise ConfigError(
                     f"variant {self.variant_name!r} does not support use_adaptive_entropy=True (TRL's adaptive "
                     "entropy controller); use a static entropy_coef or set it to False."
                 )
+
+    @classmethod
+    def _overrides_rollout(cls) -> bool:
+        """Whether a subclass replaces the rollout (iGRPO, µ-GRPO): dynamic sampling cannot wrap it then."""
+        own = GRPOVariantTrainer._generate_and_score_completions
+        return cls._generate_and_score_completions is not own
 
     def _wrap_rewards(self, reward_funcs, args) -> list:
         from grpo_variants.rewards.robust import wrap_reward_funcs
@@ -471,6 +491,7 @@ class GRPOVariantTrainer(GRPOTrainer):
             "generation_rounds_total": self._generation_rounds_total,
             "completions_generated_total": self._completions_generated_total,
             "kept_fraction": self._kept_fraction,
+            **self._dynamic_sampling_state(),
         }
 
     def load_variant_state_dict(self, state: dict) -> None:
@@ -480,6 +501,7 @@ class GRPOVariantTrainer(GRPOTrainer):
         self._generation_rounds_total = state.get("generation_rounds_total", 0)
         self._completions_generated_total = state.get("completions_generated_total", 0)
         self._kept_fraction = state.get("kept_fraction", 1.0)
+        self._load_dynamic_sampling_state(state)
 
     def _issue_warnings_after_load(self, load_result) -> None:
         """transformers' check, without its warning when the only missing keys are tied weights (a model
@@ -664,7 +686,17 @@ class GRPOVariantTrainer(GRPOTrainer):
         return rewards
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's rollout, timed, with a ``generated_mask`` of every generated token added."""
+        """One training rollout: TRL's (:meth:`_scored_rollout`), or dynamic sampling's loop over it."""
+        if self.model.training and self.args.dynamic_sampling:
+            return self._dynamic_sampling_rollout(inputs)
+        return self._scored_rollout(inputs)
+
+    def _scored_rollout(self, inputs):
+        """TRL's rollout, timed, with a ``generated_mask`` of every generated token added.
+
+        A group whose rewards are all equal gets exactly zero advantage (TRL's float arithmetic leaves
+        (R - mean) / (std + 1e-4) at ~1e-4 for rewards such as 0.1 that are not exactly representable).
+        """
         self._in_rollout = True
         if self.model.training and not getattr(self, "_rollout_nested", False):
             self._rollouts_started += 1
@@ -678,7 +710,33 @@ class GRPOVariantTrainer(GRPOTrainer):
         output["generated_mask"] = self.generated_mask(output)
         if self.args.kl_in_reward:
             output = self._apply_kl_in_reward(output)
+        else:
+            self._zero_constant_group_advantages(output)
         return output
+
+    @torch.no_grad()
+    def _zero_constant_group_advantages(self, output) -> None:
+        """Exactly zero advantage for every member of a group whose weighted rewards have zero std.
+
+        "Zero std" is TRL's own test for ``frac_reward_zero_std``: ``torch.isclose(std, 0)``. Applies
+        to the group-wise advantages (``scale_rewards`` group / none / batch with ``sum_then_normalize``).
+        """
+        if self.multi_objective_aggregation != "sum_then_normalize" or self._last_rewards_per_func is None:
+            return
+        from grpo_variants.losses import zero_std_groups
+
+        mode = "train" if self.model.training else "eval"
+        group = self.num_generations if mode == "train" else self.num_generations_eval
+        rewards = self.weighted_rewards()
+        if group is None or group < 2 or rewards.numel() % group != 0:
+            return
+        constant = zero_std_groups(rewards, group).repeat_interleave(group)
+        local = output["advantages"].size(0)
+        start = self.accelerator.process_index * local
+        constant = constant[start : start + local].to(output["advantages"].device)
+        if output["advantages"].dim() > 1:
+            constant = constant.view(-1, *([1] * (output["advantages"].dim() - 1)))
+        output["advantages"] = torch.where(constant, torch.zeros_like(output["advantages"]), output["advantages"])
 
     @torch.no_grad()
     def _apply_kl_in_reward(self, output):
@@ -742,8 +800,34 @@ class GRPOVariantTrainer(GRPOTrainer):
         inputs = super()._prepare_inputs(generation_batch)
         self._last_prepare_seconds = time.perf_counter() - start
         if self.model.training and self._rollouts_started > rounds_before:
+            self._count_update_tokens()
             self._on_rollout_done()
         return inputs
+
+    def _count_update_tokens(self) -> None:
+        """Store on every buffered micro-batch the loss-mask tokens of its optimizer update (``num_items_in_update``).
+
+        Only for ``aggregation="token_mean"`` (the spec's token mean over each update's optimisation batch). An
+        update is ``gradient_accumulation_steps`` consecutive micro-batches of the rollout's buffer (TRL serves
+        buffer slot ``step % steps_per_generation``); the local counts are summed over processes in one reduce.
+        When ``steps_per_generation`` is not a multiple of ``gradient_accumulation_steps`` an update straddles two
+        rollouts and TRL's rollout-average normaliser is kept.
+        """
+        if self.args.aggregation != "token_mean" or self.loss_spec is None:
+            return
+        spg, ga = self.args.steps_per_generation, self.args.gradient_accumulation_steps
+        if spg % ga != 0 or len(self._buffered_inputs) != spg:
+            return
+        from grpo_variants.losses import update_token_counts
+
+        def tokens(batch):
+            mask = batch["completion_mask"]
+            return (mask if "tool_mask" not in batch else mask * batch["tool_mask"]).sum().float()
+
+        local = torch.stack([tokens(b) for b in self._buffered_inputs])
+        counts = update_token_counts(self.accelerator.reduce(local, reduction="sum"), ga)
+        for batch, count in zip(self._buffered_inputs, counts, strict=True):
+            batch["num_items_in_update"] = count
 
     def _on_rollout_done(self) -> None:
         """Bookkeeping after each training rollout: counters, kept fraction, phase timings."""
@@ -826,10 +910,15 @@ class GRPOVariantTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = None
         if spec.aggregation == "token_mean" and self.args.resolved_aggregation == "token_mean":
-            # Whole-optimisation-batch token mean, normalised exactly as TRL's "dapo" loss_type does.
-            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            if mode == "train":
-                num_items = num_items * accumulation / self.args.steps_per_generation
+            if mode == "train" and "num_items_in_update" in inputs:
+                # aggregation="token_mean": the tokens of this update's own optimisation batch (all processes,
+                # every micro-batch of its accumulation window), see _count_update_tokens
+                num_items = inputs["num_items_in_update"].clamp(min=1.0) / self.accelerator.num_processes
+            else:
+                # loss_type="dapo" left to TRL: normalised exactly as TRL does (the rollout's average per update)
+                num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+                if mode == "train":
+                    num_items = num_items * accumulation / self.args.steps_per_generation
         out = compute_policy_loss(
             spec,
             per_token_logps,

@@ -167,10 +167,10 @@ def batching_defaults(recipe_values: dict, config_cls, argv: list[str], samples_
     accumulation = accumulation or recipe_values.get("gradient_accumulation_steps", 1)
     if updates_per_rollout is not None:
         names = {f.name for f in dataclasses.fields(config_cls)}
-        if "mini_batches_per_rollout" in names:
-            out["mini_batches_per_rollout"] = updates_per_rollout
-        elif "updates_per_stage" in names:  # µ-GRPO: µ = updates per rollout; it derives steps_per_generation
+        if "updates_per_stage" in names:  # µ-GRPO: µ = updates per rollout; it derives steps_per_generation
             out["updates_per_stage"] = updates_per_rollout
+        elif "mini_batches_per_rollout" in names:  # every other variant (a base config field)
+            out["mini_batches_per_rollout"] = updates_per_rollout
         elif not (_given(argv, "steps_per_generation") or _given(argv, "generation_batch_size")):
             out["steps_per_generation"] = updates_per_rollout * accumulation
     return out

@@ -22,6 +22,7 @@ from grpo_variants.rewards.builtin import overlong_penalty_value
 from grpo_variants.variants.dapo import DAPOConfig, DAPOTrainer, select_groups
 
 NAN = float("nan")
+ONE_UPDATE = dict(mini_batches_per_rollout=None)  # one optimizer update per rollout (DAPO's default is 16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -89,13 +90,14 @@ def test_config_defaults_and_validation(tmp_path):
 def test_construction_errors(toy_model_path, small_train_dataset, make_args):
     with pytest.raises(ConfigError, match="dynamic_sampling_metric='acc'"):
         DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1",
-                    args=make_args(DAPOConfig, dynamic_sampling_metric="acc"), train_dataset=small_train_dataset)
+                    args=make_args(DAPOConfig, **ONE_UPDATE, dynamic_sampling_metric="acc"),
+                    train_dataset=small_train_dataset)
     with pytest.raises(ConfigError, match="map-style"):
-        DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=make_args(DAPOConfig),
+        DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=make_args(DAPOConfig, **ONE_UPDATE),
                     train_dataset=small_train_dataset.to_iterable_dataset())
     with pytest.raises(ConfigError, match="a second time"):
         DAPOTrainer(model=toy_model_path, reward_funcs=["toy_accuracy_pm1", "dapo_overlong"],
-                    args=make_args(DAPOConfig), train_dataset=small_train_dataset)
+                    args=make_args(DAPOConfig, **ONE_UPDATE), train_dataset=small_train_dataset)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -134,8 +136,8 @@ def odd_operand_reward(prompts, completions, **kwargs):
 
 def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_train_dataset, make_args):
     # 8 completions per micro-batch, 2 micro-batches per generation: 16 completions = 4 groups of 4 per rollout
-    args = make_args(DAPOConfig, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=2,
-                     overlong_penalty=False, max_num_gen_batches=0, reward_cache=False)
+    args = make_args(DAPOConfig, **ONE_UPDATE, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                     max_steps=2, overlong_penalty=False, max_num_gen_batches=0)
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs=odd_operand_reward, args=args,
                           train_dataset=small_train_dataset)
     rec = _Recorder(trainer)
@@ -171,8 +173,9 @@ def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_trai
     kept_tokens = sum(int(inputs["generated_mask"].sum()) for inputs in rec.loss_inputs)
     assert trainer._tokens_generated_total == rec.generated_tokens > kept_tokens
     state = trainer.variant_state_dict()
-    assert state["dapo_generation_rounds_total"] == rec.generate_calls
-    assert (state["dapo_stream_epoch"], state["dapo_stream_chunk"]) == (0, sum(i.rounds - 1 for _, i in rec.rollouts))
+    assert state["dynamic_sampling_rounds_total"] == rec.generate_calls
+    stream = (state["dynamic_sampling_stream_epoch"], state["dynamic_sampling_stream_chunk"])
+    assert stream == (0, sum(i.rounds - 1 for _, i in rec.rollouts))
 
 
 def test_retry_cap_raises_clear_error(toy_model_path, small_train_dataset, make_args):
@@ -180,7 +183,8 @@ def test_retry_cap_raises_clear_error(toy_model_path, small_train_dataset, make_
         return [1.0] * len(completions)
 
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs=constant_reward,
-                          args=make_args(DAPOConfig, max_num_gen_batches=3), train_dataset=small_train_dataset)
+                          args=make_args(DAPOConfig, **ONE_UPDATE, max_num_gen_batches=3),
+                          train_dataset=small_train_dataset)
     rec = _Recorder(trainer)
     with pytest.raises(DynamicSamplingError) as err:
         trainer.train()
@@ -195,8 +199,8 @@ def test_surplus_groups_are_cut_keeping_the_first(toy_model_path, small_train_da
     def always_varies(prompts, completions, **kwargs):  # every group qualifies: round 1 fills the batch
         return [float(i % 2) for i in range(len(completions))]
 
-    trainer = DAPOTrainer(model=toy_model_path, reward_funcs=always_varies,  # no cache: identical completions
-                          args=make_args(DAPOConfig, max_steps=1, reward_cache=False),  # keep their own scores
+    args = make_args(DAPOConfig, **ONE_UPDATE, max_steps=1, dynamic_sampling_surplus="discard")
+    trainer = DAPOTrainer(model=toy_model_path, reward_funcs=always_varies, args=args,
                           train_dataset=small_train_dataset)
     rec = _Recorder(trainer)
     trainer.train()
@@ -208,7 +212,8 @@ def test_surplus_groups_are_cut_keeping_the_first(toy_model_path, small_train_da
 def test_prompt_stream_resumes_exactly(toy_model_path, make_args):
     # 13 prompts, 4 groups per round: 3 rounds per epoch (one prompt left over), so 7 draws cross two epochs
     data = toy.make_dataset(n=13)
-    make = lambda: DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=make_args(DAPOConfig),
+    make = lambda: DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1",  # noqa: E731
+                               args=make_args(DAPOConfig, **ONE_UPDATE),
                                train_dataset=data)
 
     def draw(trainer, n):
@@ -225,7 +230,7 @@ def test_prompt_stream_resumes_exactly(toy_model_path, make_args):
     head = draw(first, 4)
     state = first.variant_state_dict()
     tail = draw(first, 3)
-    assert (state["dapo_stream_epoch"], state["dapo_stream_chunk"]) == (1, 1)
+    assert (state["dynamic_sampling_stream_epoch"], state["dynamic_sampling_stream_chunk"]) == (1, 1)
     assert len(set(sum(head[:3], []))) == 12  # one epoch: 12 distinct prompts
     assert head[3] != head[0]  # a new permutation in the new epoch
     resumed = make()
@@ -235,10 +240,129 @@ def test_prompt_stream_resumes_exactly(toy_model_path, make_args):
 
 
 # ------------------------------------------------------------------------------------------------
+# The paper's defaults make the clip act; surplus groups are carried; any variant can sample dynamically
+# ------------------------------------------------------------------------------------------------
+def test_default_dapo_clips_at_the_upper_bound(toy_model_path, small_train_dataset, tmp_path):
+    """DAPOConfig() as shipped: 16 samples per prompt, 16 updates per rollout, clip-higher 0.28.
+
+    Only toy-scale fields are set (6 new tokens, lr 1e-3: the 1M-parameter toy policy needs a larger lr than the
+    paper's 1e-6 for 32B to move in 16 updates). By construction: the first update of a rollout is on-policy
+    (ratio 1, nothing clipped) and every later one is off-policy because the rollout feeds 16 updates.
+    """
+    args = DAPOConfig(output_dir=str(tmp_path / "out"), report_to="none", max_completion_length=6,
+                      learning_rate=1e-3, max_steps=16, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                      seed=0)
+    assert (args.num_generations, args.mini_batches_per_rollout) == (16, 16)
+    assert args.steps_per_generation == 16 * args.gradient_accumulation_steps
+    trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
+                          train_dataset=small_train_dataset)
+    rec = _Recorder(trainer)
+    trainer.train()
+    assert len(rec.rollouts) == 1  # one rollout, 16 updates on it
+    records = [r for r in trainer.state.log_history if "clip_ratio/high_mean" in r]
+    assert len(records) == 16
+    assert records[0]["clip_ratio/region_mean"] == 0.0  # on-policy first update
+    assert max(r["clip_ratio/high_mean"] for r in records[1:]) > 0.0
+
+
+def _three_of_four_groups_vary(prompts, completions, **kwargs):
+    """Groups 0-2 of every 16-row call alternate 0/1 (qualify); group 3 is constant (dropped)."""
+    return [0.0 if i % 16 >= 12 else float(i % 2) for i in range(len(completions))]
+
+
+def test_surplus_groups_are_carried_with_their_behaviour_logprobs(toy_model_path, small_train_dataset, make_args):
+    # grpo (not DAPO) with dynamic sampling on, on-policy (one update per rollout): 3 of 4 groups qualify per round
+    spec = get_variant("grpo")
+    args = make_args(spec.config_cls, max_steps=3, dynamic_sampling=True, reward_cache=False)
+    trainer = spec.trainer_cls(model=toy_model_path, reward_funcs=_three_of_four_groups_vary, args=args,
+                               train_dataset=small_train_dataset)
+    batches, carried = [], []
+
+    def on_batch(batch, info):
+        batches.append((batch, info))
+        carried.append(None if trainer._ds_carried is None else {k: v.clone() for k, v in trainer._ds_carried.items()})
+
+    trainer._on_dynamic_sampling_batch = on_batch
+    at_loss, compute_loss = [], trainer._compute_loss
+
+    def _compute_loss(model, inputs):
+        with torch.no_grad():
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            width = inputs["completion_ids"].size(1)
+            logps = trainer._get_per_token_logps_and_entropies(model, ids, attention, width)[0]
+        at_loss.append(({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}, logps))
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = _compute_loss
+    trainer.train()
+    infos = [info for _, info in batches]
+    # needed 4: 3 + 3 -> carry 2; 2 + 3 -> carry 1; 1 + 3 -> carry 0
+    assert [i.rounds for i in infos] == [2, 1, 1]
+    assert [i.groups_carried_in for i in infos] == [0, 2, 1]
+    assert [i.groups_carried_out for i in infos] == [2, 1, 0]
+    for info in infos:  # nothing that qualified is thrown away
+        assert info.groups_kept == info.groups_needed - info.groups_carried_in + info.groups_carried_out
+        assert info.group_ids[: info.groups_carried_in] == [(-1, g) for g in range(info.groups_carried_in)]
+    for k in (1, 2):  # batch k starts with exactly the rows carried out of batch k-1, behaviour log-probs included
+        batch, info = batches[k]
+        rows = 4 * info.groups_carried_in
+        previous = carried[k - 1]
+        for key in ("completion_ids", "advantages", "old_per_token_logps", "ref_per_token_logps"):
+            width = previous[key].size(1) if previous[key].dim() > 1 else None
+            got = batch[key][:rows] if width is None else batch[key][:rows, :width]
+            assert torch.equal(got, previous[key]), key
+    # at the loss (step 2): carried rows keep the older policy's log-probs (the ratio corrects for one update of
+    # staleness); fresh rows of an on-policy step carry the current policy's
+    inputs, current = at_loss[1]
+    old, mask = inputs["old_per_token_logps"], inputs["completion_mask"].bool()
+    previous = carried[0]["old_per_token_logps"]
+    width = min(previous.size(1), old.size(1))
+    is_carried = torch.tensor([any(torch.equal(row[:width], p[:width]) for p in previous) for row in old])
+    assert int(is_carried.sum()) == 8  # 2 carried groups of 4 (TRL shuffles the rows before the micro-batches)
+    fresh = ~is_carried
+    torch.testing.assert_close(old[fresh][mask[fresh]], current[fresh][mask[fresh]], atol=2e-5, rtol=0)
+    assert (old[is_carried][mask[is_carried]] - current[is_carried][mask[is_carried]]).abs().max() > 1e-4
+
+
+def test_grpo_with_dynamic_sampling_resumes_exactly(toy_kit, tmp_path):
+    """A checkpoint taken while groups are carried resumes with them: logs and weights equal the uninterrupted run."""
+    from grpo_variants.lab import TOY_CONFIG
+
+    spec = get_variant("grpo")
+    data = toy_kit.train_dataset.select(range(64))
+
+    def args(out):
+        return spec.config_cls(**{**TOY_CONFIG, "output_dir": str(out), "per_device_train_batch_size": 16,
+                                  "num_generations": 4, "max_steps": 4, "seed": 0, "save_strategy": "steps",
+                                  "save_steps": 2, "dynamic_sampling": True, "reward_cache": False})
+
+    first = spec.trainer_cls(model=toy_kit.model_path, reward_funcs=_three_of_four_groups_vary,
+                             args=args(tmp_path / "a"), train_dataset=data)
+    first.train()
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    from grpo_variants.reliability import STATE_FILE
+
+    saved = torch.load(ckpt / STATE_FILE.format(rank=0), weights_only=True)
+    assert saved["variant"]["dynamic_sampling_carried"] is not None  # 1 group carried after step 2
+    second = spec.trainer_cls(model=toy_kit.model_path, reward_funcs=_three_of_four_groups_vary,
+                              args=args(tmp_path / "b"), train_dataset=data)
+    second.train(resume_from_checkpoint=str(ckpt))
+    def keep(record):  # logged values that do not measure time
+        return {k: v for k, v in record.items() if "time" not in k and "per_s" not in k and not k.endswith("_s")}
+
+    ref = [keep(r) for r in first.state.log_history if "loss" in r and r["step"] > 2]
+    res = [keep(r) for r in second.state.log_history if "loss" in r and r["step"] > 2]
+    assert res == ref and len(res) == 2
+    for (name, p), (_, q) in zip(first.model.named_parameters(), second.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+# ------------------------------------------------------------------------------------------------
 # Overlong shaping (eq. 13) and overlong filtering
 # ------------------------------------------------------------------------------------------------
 def test_overlong_penalty_is_added_and_applied(toy_model_path, small_train_dataset, make_args):
-    args = make_args(DAPOConfig, max_steps=1, dynamic_sampling=False, overlong_buffer_len=3,
+    args = make_args(DAPOConfig, **ONE_UPDATE, max_steps=1, dynamic_sampling=False, overlong_buffer_len=3,
                      reward_weights=[2.0])
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
                           train_dataset=small_train_dataset)
@@ -269,7 +393,7 @@ def test_overlong_penalty_is_added_and_applied(toy_model_path, small_train_datas
 
 def test_truncated_completions_get_no_gradient(toy_model_path, small_train_dataset, make_args):
     # 3 new tokens: "82</s>" fits, "123</s>" is truncated
-    args = make_args(DAPOConfig, max_steps=1, max_completion_length=3, dynamic_sampling=False)
+    args = make_args(DAPOConfig, **ONE_UPDATE, max_steps=1, max_completion_length=3, dynamic_sampling=False)
     trainer = DAPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
                           train_dataset=small_train_dataset)
     force_completions(trainer, lambda prompt, k: "12</s>" if k % 2 == 0 else "123")  # fits / cut off by construction
@@ -313,19 +437,22 @@ def _first_operand(prompt: str) -> int:
 
 
 def parity_reward(prompts, completions, **kwargs):
-    """Constant (dropped) for an even first operand; otherwise the parity of the completion's characters."""
-    return [0.0 if _first_operand(p) % 2 == 0 else float(sum(map(ord, c)) % 2) for p, c in zip(prompts, completions)]
+    """Constant (dropped) for an even first operand; otherwise alternating 0 / 1 over the local rows, so that every
+    such group varies even when it straddles the two ranks (groups of 4, 6 rows per rank): which groups qualify
+    depends on the prompts only (the seeded data order), not on what the policy samples."""
+    return [0.0 if _first_operand(p) % 2 == 0 else float(i % 2) for i, p in enumerate(prompts)]
 
 
 @pytest.mark.slow
 def test_two_processes_keep_identical_groups(toy_model_path, tmp_path):
+    """``grpo`` with dynamic sampling on (the shared component), 2 processes over gloo, surplus groups carried."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(_free_port()), __file__, "--ddp-worker", str(tmp_path), toy_model_path]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["rollouts"] and len(ranks[0]["rollouts"]) == len(ranks[1]["rollouts"]) == 3
+    assert ranks[0]["rollouts"] and len(ranks[0]["rollouts"]) == len(ranks[1]["rollouts"]) == 4
     assert ranks[0]["generate_calls"] == ranks[1]["generate_calls"]  # lock-step
     for r0, r1 in zip(ranks[0]["rollouts"], ranks[1]["rollouts"], strict=True):
         assert r0["global_prompts"] == r1["global_prompts"] and r0["group_ids"] == r1["group_ids"]
@@ -339,6 +466,12 @@ def test_two_processes_keep_identical_groups(toy_model_path, tmp_path):
         assert all(len(set(v)) > 1 for v in r0["values"])
         assert r0["num_items"] == r1["num_items"] == r0["mask_tokens_0"] + r1["mask_tokens_0"]
     assert any(r["rounds"] > 1 for r in ranks[0]["rollouts"]), "never re-sampled: extra-prompt path untested"
+    for r0, r1 in zip(ranks[0]["rollouts"], ranks[1]["rollouts"], strict=True):  # the carry is identical on both ranks
+        assert (r0["carried_in"], r0["carried_out"]) == (r1["carried_in"], r1["carried_out"])
+        assert r0["kept"] == 3 - r0["carried_in"] + r0["carried_out"]  # nothing that qualified was thrown away
+    for previous, current in zip(ranks[0]["rollouts"], ranks[0]["rollouts"][1:]):
+        assert current["carried_in"] == previous["carried_out"]
+    assert any(r["carried_in"] > 0 for r in ranks[0]["rollouts"]), "no group was carried: the carry path is untested"
     assert all(n == 6 for n in ranks[0]["loss_batch_sizes"] + ranks[1]["loss_batch_sizes"])
 
 
@@ -348,15 +481,18 @@ def _ddp_worker(out_dir: str, model_path: str) -> None:
     from conftest import tiny_args
 
     rank = int(os.environ["RANK"])
-    args = tiny_args(DAPOConfig, output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=6,
-                     num_generations=4, max_steps=3, max_num_gen_batches=0)
+    spec = get_variant("grpo")
+    args = tiny_args(spec.config_cls, output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=6,
+                     num_generations=4, max_steps=4, max_num_gen_batches=0, dynamic_sampling=True,
+                     reward_cache=False)
     data = toy.make_dataset(n=240)
 
-    class Worker(DAPOTrainer):
+    class Worker(spec.trainer_cls):
         def _on_dynamic_sampling_batch(self, batch, info):
             texts = self.processing_class.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
             record = {"global_prompts": texts, "group_ids": info.group_ids, "rounds": info.rounds,
-                      "values": info.values.tolist()}
+                      "values": info.values.tolist(), "carried_in": info.groups_carried_in,
+                      "carried_out": info.groups_carried_out, "kept": info.groups_kept}
             log["rollouts"].append(record)
 
         def _local_slice(self, full, local):

@@ -719,3 +719,93 @@ def test_end_to_end_gradcheck():
         spec = LossSpec(ratio_level=level, beta=0.04, clip_ratio_c=3.0)
         fn = lambda x: compute_policy_loss(spec, x, old, adv, mask, ref_logp=ref).loss  # noqa: E731
         assert torch.autograd.gradcheck(fn, (lp,))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Zero-std groups get exactly zero advantage; token-mean over each update's own tokens
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [0.1, 0.7, 1.2])
+@pytest.mark.parametrize("G", [8, 16])
+def test_zero_std_groups_get_exactly_zero_advantage(value, G):
+    from grpo_variants.losses import zero_std_groups
+
+    rewards = torch.cat([torch.full((G,), value), torch.arange(G, dtype=torch.float32) % 2]).float()  # fp32 as TRL
+    assert zero_std_groups(rewards, G).tolist() == [True, False]
+    # TRL's arithmetic (nanmean, two-pass nanstd) leaves a residue of one sign where the value is not representable
+    grouped = rewards.view(-1, G)
+    mean = grouped.mean(1, keepdim=True)
+    std = ((grouped - mean) ** 2).mean(1, keepdim=True).mul(G / (G - 1)).sqrt()
+    for estimator in (group_std_advantages, group_mean_advantages, batch_std_advantages):
+        adv = estimator(rewards, G)
+        assert torch.equal(adv[:G], torch.zeros(G)), estimator.__name__  # exactly 0, every member
+        assert (adv[G:] != 0).all()
+    if (grouped[0] - mean[0]).abs().max() > 0:  # where float arithmetic leaves a residue, TRL's A is not 0
+        assert ((grouped[0] - mean[0]) / (std[0] + 1e-4)).abs().max() > 0
+
+
+def test_update_token_counts():
+    from grpo_variants.losses import update_token_counts
+
+    counts = torch.tensor([3.0, 5.0, 2.0, 9.0, 4.0, 4.0])
+    assert update_token_counts(counts, 2).tolist() == [8.0, 8.0, 11.0, 11.0, 8.0, 8.0]
+    assert update_token_counts(counts, 1).tolist() == counts.tolist()
+    with pytest.raises(ConfigError, match="multiple of gradient_accumulation_steps"):
+        update_token_counts(counts, 4)
+
+
+def _trainer_run(toy_kit, tmp_path, reward, **overrides):
+    from grpo_variants import GRPOVariantConfig, GRPOVariantTrainer
+    from grpo_variants.lab import TOY_CONFIG
+
+    values = {**TOY_CONFIG, "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4,
+              "num_generations": 4, "max_steps": 1, "seed": 0, "reward_cache": False, **overrides}
+    return GRPOVariantTrainer(model=toy_kit.model_path, reward_funcs=reward, args=GRPOVariantConfig(**values),
+                              train_dataset=toy_kit.train_dataset.select(range(256)))
+
+
+@pytest.mark.parametrize("value", [0.1, 0.7, 1.2])
+def test_trainer_gives_constant_groups_exactly_zero_advantage(toy_kit, tmp_path, value):
+    def reward(prompts, completions, **kwargs):  # group 0 of each 16-row call constant, the others vary
+        return [value if i % 16 < 4 else float(i % 2) for i in range(len(completions))]
+
+    trainer = _trainer_run(toy_kit, tmp_path, reward, per_device_train_batch_size=16)
+    seen = []
+    rollout = trainer._scored_rollout
+    trainer._scored_rollout = lambda inputs: seen.append(rollout(inputs)) or seen[-1]
+    trainer.train()
+    (out,) = seen
+    constant = torch.tensor([abs(v - value) < 1e-6 for v in trainer.weighted_rewards().tolist()])
+    assert int(constant.sum()) == 4
+    assert torch.equal(out["advantages"][constant], torch.zeros(4))
+    assert (out["advantages"][~constant] != 0).all()
+
+
+def test_token_mean_normalises_each_update_by_its_own_tokens(toy_kit, tmp_path, monkeypatch):
+    """16 updates per rollout (2 micro-batches each) of unequal lengths: each update's loss is its own token mean."""
+    import grpo_variants.trainer as trainer_module
+
+    calls = []
+    original = trainer_module.compute_policy_loss
+
+    def recording(spec, logp, old, adv, mask, **kw):
+        out = original(spec, logp, old, adv, mask, **kw)
+        calls.append((out.per_token_loss.detach(), mask.detach().float(), kw["num_items"], out.loss.detach()))
+        return out
+
+    monkeypatch.setattr(trainer_module, "compute_policy_loss", recording)
+    trainer = _trainer_run(toy_kit, tmp_path, "toy_accuracy", loss_type="dapo", aggregation="token_mean",
+                           gradient_accumulation_steps=2, mini_batches_per_rollout=16, max_steps=16)
+    assert trainer.args.steps_per_generation == 32
+    trainer.train()
+    assert len(calls) == 32
+    window_tokens = []
+    for w in range(16):
+        (l0, m0, n0, loss0), (l1, m1, n1, loss1) = calls[2 * w], calls[2 * w + 1]
+        tokens = m0.sum() + m1.sum()
+        window_tokens.append(float(tokens))
+        assert float(n0) == float(n1) == float(tokens)  # the normaliser is this update's token count
+        direct = ((l0 * m0).sum() + (l1 * m1).sum()) / tokens  # token mean over the update's optimisation batch
+        torch.testing.assert_close(loss0 + loss1, direct, atol=1e-6, rtol=1e-6)
+    assert len(set(window_tokens)) > 1, "all updates had equal token counts: the test would not see the difference"
+    rollout_average = sum(window_tokens) / 16  # what TRL's num_items_in_batch normaliser would divide by
+    assert any(abs(t - rollout_average) > 0.5 for t in window_tokens)

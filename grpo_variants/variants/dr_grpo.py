@@ -8,7 +8,7 @@ optimisation biases.
 * aggregation: a constant normaliser, sum_{i,t} M l / (num_sequences * L) with L =
   ``max_completion_length`` (no 1/|o_i|, which favours long wrong answers and short right ones);
   TRL's ``loss_type="dr_grpo"``;
-* otherwise plain GRPO: token ratio, clip 0.2, beta = 0 (no KL), lr 1e-6, 8 samples per question.
+* otherwise plain GRPO: token ratio, clip 0.2, beta = 0 (no KL), lr 1e-6 constant, 8 samples per question.
 
 Both defining choices are enforced: a Dr.GRPO config with another advantage estimator or
 aggregation raises :class:`~grpo_variants.errors.ConfigError` (compose such ablations with
@@ -37,6 +37,7 @@ class DrGRPOConfig(GRPOVariantConfig):
     epsilon: float = field(default=0.2)
     beta: float = field(default=0.0)
     learning_rate: float = field(default=1e-6)
+    lr_scheduler_type: str = field(default="constant")  # the paper's constant learning rate
     num_generations: int | None = field(default=8)
 
     def _validate_variant_fields(self) -> None:

@@ -66,22 +66,7 @@ class FIPOConfig(DAPOConfig):
     fipo_clip_high: float = field(default=1.2)
     fipo_safety_ratio: float = field(default=10.0)
     fipo_drop_multi_dual_clip: bool = field(default=True)
-    mini_batches_per_rollout: int | None = field(
-        default=16,
-        metadata={
-            "help": "Optimizer updates per rollout (the recipe's mini-batches; FIPO needs > 1 to be active): sets "
-            "steps_per_generation = this x gradient_accumulation_steps unless steps_per_generation or "
-            "generation_batch_size is given. None: TRL's default (one update per rollout)."
-        },
-    )
-
-    def __post_init__(self):
-        if self.mini_batches_per_rollout is not None:
-            if self.mini_batches_per_rollout < 1:
-                raise ConfigError(f"mini_batches_per_rollout ({self.mini_batches_per_rollout}) must be >= 1 or None.")
-            if self.steps_per_generation is None and self.generation_batch_size is None:
-                self.steps_per_generation = self.mini_batches_per_rollout * self.gradient_accumulation_steps
-        super().__post_init__()
+    mini_batches_per_rollout: int | None = field(default=16)  # updates per rollout (base config field)
 
     def _validate_variant_fields(self) -> None:
         super()._validate_variant_fields()

@@ -54,24 +54,9 @@ class GSPOConfig(GRPOVariantConfig):
     epsilon: float = field(default=3e-4)
     epsilon_high: float | None = field(default=4e-4)
     beta: float = field(default=0.0)
-    mini_batches_per_rollout: int | None = field(
-        default=4,
-        metadata={
-            "help": "Optimizer updates per rollout (the paper's mini-batches): sets steps_per_generation = this x "
-            "gradient_accumulation_steps unless steps_per_generation or generation_batch_size is given. "
-            "None: TRL's default (one update per rollout)."
-        },
-    )
+    mini_batches_per_rollout: int | None = field(default=4)  # updates per rollout (base config field)
 
     required_ratio_level = "sequence"  # class attribute, not a field
-
-    def __post_init__(self):
-        if self.mini_batches_per_rollout is not None:
-            if self.mini_batches_per_rollout < 1:
-                raise ConfigError(f"mini_batches_per_rollout ({self.mini_batches_per_rollout}) must be >= 1 or None.")
-            if self.steps_per_generation is None and self.generation_batch_size is None:
-                self.steps_per_generation = self.mini_batches_per_rollout * self.gradient_accumulation_steps
-        super().__post_init__()
 
     def _validate_variant_fields(self) -> None:
         super()._validate_variant_fields()
