@@ -10,11 +10,14 @@ The trainer wraps TRL rather than copying it:
   behaves exactly like TRL's.
 * Rollouts go through ``super()._generate_and_score_completions``; variants filter, extend or
   re-weight what it returns (DAPO drops groups, iGRPO rewrites prompts, µ-GRPO buffers stages).
-* Reward functions are resolved by name and wrapped with clear errors (TRL's batch, no time limit by default).
-* Every step logs clip/veto/FIPO fractions, the useful-token fraction and per-phase timings.
+* Inputs are checked at construction (:mod:`grpo_variants.validation`); reward functions are resolved by
+  name and wrapped with clear errors (TRL's batch, no time limit by default).
+* Every step logs clip/veto/FIPO fractions, the useful-token fraction and per-phase timings
+  (:mod:`grpo_variants.metrics`).
 * Off-policy steps cost no extra forward pass: the behaviour log-probs TRL would recompute are
   recorded while HF generate samples (``behaviour_logprobs``, :mod:`grpo_variants.rollout_logprobs`),
-  and the training loader fetches a generation batch once instead of at every micro-step.
+  and the training loader fetches a generation batch once instead of at every micro-step
+  (:mod:`grpo_variants.loader`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import time
 from contextlib import contextmanager
 from dataclasses import fields
@@ -32,12 +34,18 @@ from accelerate.utils import send_to_device
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_variants.config import GRPOVariantConfig
-from grpo_variants.errors import ConfigError, DatasetError, ModelPathError, UnknownRewardError
+from grpo_variants.errors import ConfigError
+from grpo_variants.loader import RepeatedFetchCache, RowBatch
 from grpo_variants.losses import LossSpec, compute_policy_loss
+from grpo_variants.metrics import TrainerMetrics
 from grpo_variants.rollout_logprobs import SampledLogprobRecorder
 from grpo_variants.sampling import DynamicSamplingMixin
+from grpo_variants.validation import _HUB_ID, check_dataset, check_model_path, resolve_reward_funcs  # noqa: F401
 
 logger = logging.getLogger(__name__)
+
+# Kept importable from here (their home was this module): the construction checks, the loader cache.
+_RepeatedFetchCache, _RowBatch = RepeatedFetchCache, RowBatch
 
 # Inputs TRL forwards to the model for multimodal batches; passed through untouched.
 _FORWARD_KEYS = (
@@ -52,144 +60,6 @@ _FORWARD_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-logger = logging.getLogger(__name__)
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class _RepeatedFetchCache(torch.utils.data.Dataset):
-    """A map-style dataset view that serves a repeated batch of indices from its last fetch."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-        self._indices: list | None = None
-        self._rows: list | None = None
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        return self.dataset[index]
-
-    def __getitems__(self, indices):
-        if indices != self._indices:
-            fetch = getattr(self.dataset, "__getitems__", None)
-            self._rows = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
-            self._indices = list(indices)
-        return list(self._rows)
-
-
-class _RowBatch:
-    """Collated training rows that accelerate's ``send_to_device`` and torch's ``pin_memory`` leave alone.
-
-    Not a list, tuple or Mapping and without ``.to``: both return it unchanged instead of walking every
-    row of a large generation batch at every micro-step. ``_prepare_inputs`` unwraps it.
-    """
-
-    __slots__ = ("rows",)
-
-    def __init__(self, collator, rows):
-        self.rows = collator(rows)
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __getitem__(self, index):
-        return self.rows[index]
-
-    def __contains__(self, item):
-        return item in self.rows
-
-
-# ------------------------------------------------------------------------------------------------
-# Input validation helpers (construction time, clear messages)
-# ------------------------------------------------------------------------------------------------
-def check_model_path(model) -> None:
-    """Fail early, and clearly, for a model path that does not exist."""
-    if not isinstance(model, (str, os.PathLike)):
-        return
-    path = os.path.expanduser(str(model))
-    if os.path.isdir(path):
-        if not os.path.exists(os.path.join(path, "config.json")) and not os.path.exists(
-            os.path.join(path, "adapter_config.json")
-        ):
-            raise ModelPathError(
-                f"model={str(model)!r} is a folder but holds no config.json: it is not a saved model. "
-                "Save one with model.save_pretrained(path), or use grpo_variants.toy.prepare().model_path."
-            )
-        return
-    looks_local = path.startswith((os.sep, ".", "~")) or os.sep in path.strip(os.sep) and not _HUB_ID.match(path)
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if looks_local or not _HUB_ID.match(path) or offline and not _in_hf_cache(path):
-        raise ModelPathError(
-            f"model={str(model)!r} does not exist: it is neither a local folder nor "
-            + ("a hub id in the local cache (HF_HUB_OFFLINE is set)." if offline else "a hub id of the form org/name.")
-            + " Pass the folder of a saved model (e.g. grpo_variants.toy.prepare().model_path) or a hub id."
-        )
-
-
-def _in_hf_cache(repo_id: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-    except Exception:  # pragma: no cover - very old huggingface_hub
-        return False
-
-
-def check_dataset(dataset, name: str) -> None:
-    """A dataset must exist, be non-empty and carry a ``prompt`` column."""
-    if dataset is None:
-        if name == "train_dataset":
-            raise DatasetError("train_dataset is required: pass a datasets.Dataset with a 'prompt' column.")
-        return
-    if isinstance(dataset, dict):  # several eval datasets
-        for key, value in dataset.items():
-            check_dataset(value, f"{name}[{key!r}]")
-        return
-    columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns:
-        raise DatasetError(
-            f"{name} has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, e.g. "
-            "dataset.rename_column('question', 'prompt')."
-        )
-    try:
-        size = len(dataset)
-    except TypeError:  # IterableDataset
-        return
-    if size == 0:
-        raise DatasetError(f"{name} is empty: it needs at least one row with a 'prompt'.")
-
-
-def resolve_reward_funcs(reward_funcs) -> list:
-    """Turn registered reward names into callables; keep callables, reward-model paths and hub ids."""
-    from grpo_variants.rewards.registry import get_reward
-
-    if reward_funcs is None:
-        raise ConfigError(
-            "reward_funcs is required: pass a callable, a registered reward name (see `grpo-variants list`) "
-            "or a list of them."
-        )
-    items = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if not items:
-        raise ConfigError("reward_funcs is empty: pass at least one reward function.")
-    resolved = []
-    for item in items:
-        if isinstance(item, str):
-            try:
-                resolved.append(get_reward(item))
-                continue
-            except UnknownRewardError:
-                if os.path.isdir(os.path.expanduser(item)) or _HUB_ID.match(item):
-                    resolved.append(item)  # a reward *model*: TRL loads it
-                    continue
-                raise
-        elif not callable(item):
-            raise ConfigError(f"reward_funcs entry {item!r} is neither callable nor a registered reward name.")
-        resolved.append(item)
-    return resolved
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,7 +169,7 @@ def model_card_section(args, spec, title: str, paper_id: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # The trainer
 # ------------------------------------------------------------------------------------------------
-class GRPOVariantTrainer(DynamicSamplingMixin, GRPOTrainer):
+class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss is composed from :mod:`grpo_variants.losses` by the config.
 
     Drop-in for TRL's trainer: same constructor, same config fields (plus ours). Variants subclass
@@ -639,19 +509,6 @@ class GRPOVariantTrainer(DynamicSamplingMixin, GRPOTrainer):
         self._log_reward_health()
         return rewards_per_func
 
-    def _log_reward_health(self) -> None:
-        """Error / timeout / NaN / cache-hit rates and time of every wrapped reward, averaged over processes."""
-        keys = ("error_rate", "timeout_rate", "nan_rate", "cache_hit_rate", "time_s")
-        mode = "train" if self.model.training else "eval"
-        for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
-            if not hasattr(func, "pop_metrics"):
-                continue
-            local = func.pop_metrics()
-            values = torch.tensor([float(local[k]) for k in keys], device=self.accelerator.device)
-            values = self.accelerator.reduce(values, reduction="mean")
-            for key, value in zip(keys, values.tolist(), strict=True):
-                self._metrics[mode][f"rewards/{name}/{key}"].append(value)
-
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if not self._in_rollout:
             return super()._get_per_token_logps_and_entropies(
@@ -771,25 +628,19 @@ class GRPOVariantTrainer(DynamicSamplingMixin, GRPOTrainer):
         fully_masked = mask.sum(dim=1) == 0  # only truncated rows (with mask_truncated_completions) are empty
         return torch.where(fully_masked.unsqueeze(1), torch.ones_like(mask), mask)
 
-    # ---- the training data loader: a stage's rows are fetched and moved once ---------------------
-    # TRL's RepeatSampler hands the whole generation batch (per-device batch x steps_per_generation
-    # rows) to every micro-step and TRL uses it only when it generates. For a µ-GRPO stage of 4,096 rows
-    # that re-fetch (datasets) and re-traversal (accelerate's send_to_device) cost ~25 ms per update on
-    # CPU. The train loader therefore fetches a repeated batch of indices once (_RepeatedFetchCache) and
-    # hands rows over in a container that accelerate and pin_memory pass through (_RowBatch); the rows
-    # are moved to the device only when TRL is about to generate from them.
+    # ---- the training data loader: a stage's rows are fetched and moved once (grpo_variants.loader) ----
     def get_train_dataloader(self):
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             return super().get_train_dataloader()
         dataset, collator = self.train_dataset, self.data_collator
-        self.train_dataset, self.data_collator = _RepeatedFetchCache(dataset), functools.partial(_RowBatch, collator)
+        self.train_dataset, self.data_collator = RepeatedFetchCache(dataset), functools.partial(RowBatch, collator)
         try:
             return super().get_train_dataloader()
         finally:
             self.train_dataset, self.data_collator = dataset, collator
 
     def _prepare_inputs(self, generation_batch):
-        if isinstance(generation_batch, _RowBatch):
+        if isinstance(generation_batch, RowBatch):
             rows = generation_batch.rows
             generate_every = self.args.steps_per_generation * self.num_iterations
             if self._step % generate_every == 0 or self._buffered_inputs is None:  # TRL's condition to generate
@@ -828,27 +679,6 @@ class GRPOVariantTrainer(DynamicSamplingMixin, GRPOTrainer):
         counts = update_token_counts(self.accelerator.reduce(local, reduction="sum"), ga)
         for batch, count in zip(self._buffered_inputs, counts, strict=True):
             batch["num_items_in_update"] = count
-
-    def _on_rollout_done(self) -> None:
-        """Bookkeeping after each training rollout: counters, kept fraction, phase timings."""
-        kept = sum(int(b["generated_mask"].sum().item()) for b in self._buffered_inputs)
-        kept = int(self.accelerator.gather(torch.tensor([kept], device=self.accelerator.device)).sum().item())
-        generated = max(self._tokens_generated_round, 1)
-        self._kept_fraction = min(kept / generated, 1.0)
-        self._tokens_generated_total += self._tokens_generated_round
-        self._generation_rounds_total += 1
-        metrics = self._metrics["train"]
-        t = self._phase_time
-        metrics["time/generation_s"].append(t["generation"])
-        metrics["time/reward_s"].append(t["reward"])
-        metrics["time/logprobs_s"].append(t["logprobs"])
-        metrics["time/rollout_s"].append(t["rollout"])
-        if t["generation"] > 0:
-            metrics["throughput/generated_tokens_per_s"].append(self._tokens_generated_round / t["generation"])
-        metrics["tokens/generated"].append(float(self._tokens_generated_round))
-        metrics["tokens/kept_fraction"].append(self._kept_fraction)
-        self._phase_time = dict.fromkeys(self._phase_time, 0.0)
-        self._tokens_generated_round = 0
 
     def training_step(self, model, inputs, num_items_in_batch):
         start = time.perf_counter()
@@ -943,62 +773,3 @@ class GRPOVariantTrainer(DynamicSamplingMixin, GRPOTrainer):
 
         self._log_loss_metrics(mode, out.stats, entropies, mask, inputs)
         return loss
-
-    def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
-        """Masked mean over every process (values may be (B, 1) per-sequence or (B, T) per-token)."""
-        if values.dim() == 2 and values.shape[1] == 1 and mask.shape[1] != 1:
-            values = values.expand_as(mask)
-        values = values.float()
-        totals = torch.stack([(values * mask).sum(), mask.sum().float()])
-        totals = self.accelerator.reduce(totals, reduction="sum")
-        return (totals[0] / totals[1].clamp(min=1.0)).item()
-
-    def _global_sequence_fraction(self, flags: torch.Tensor, mask: torch.Tensor) -> float:
-        """Fraction, over every process, of sequences with at least one trained token whose ``flags`` is set.
-
-        ``flags`` is per sequence ((B,) or (B, 1)) or per token ((B, T): a row counts if any trained token is set).
-        """
-        rows = (mask > 0).any(dim=-1)
-        if flags.dim() == 2 and flags.shape[1] != 1:
-            flags = (flags.expand(mask.shape) & (mask > 0)).any(dim=-1)
-        flagged = flags.reshape(-1).bool() & rows
-        counts = self.accelerator.reduce(torch.stack([flagged.sum(), rows.sum()]).float(), reduction="sum")
-        return (counts[0] / counts[1].clamp(min=1.0)).item()
-
-    def _log_loss_metrics(self, mode, stats, entropies, mask, inputs) -> None:
-        metrics = self._metrics[mode]
-        mask = mask.float()
-        metrics["entropy"].append(self._global_mean(entropies.detach(), mask))
-        for key, name in (
-            ("is_low_clipped", "clip_ratio/low_mean"),
-            ("is_high_clipped", "clip_ratio/high_mean"),
-            ("is_dual_clipped", "clip_ratio/dual_mean"),
-        ):
-            if key in stats:
-                metrics[name].append(self._global_mean(stats[key], mask))
-        if "is_low_clipped" in stats and "is_high_clipped" in stats:
-            region = stats["is_low_clipped"] | stats["is_high_clipped"]
-            metrics["clip_ratio/region_mean"].append(self._global_mean(region, mask))
-        if "kl" in stats:
-            metrics["kl"].append(self._global_mean(stats["kl"], mask))
-        if self.loss_spec.veto_scope is not None:
-            metrics["veto/trigger_fraction"].append(self._global_mean(stats["veto_triggers"], mask))
-            metrics["veto/fraction"].append(self._global_mean(stats["vetoed"], mask))
-        if "fipo_weights" in stats:
-            weights = stats["fipo_weights"]
-            metrics["fipo/weight_mean"].append(self._global_mean(weights, mask))
-            masked_max = torch.where(mask.bool(), weights.expand_as(mask), torch.zeros_like(mask)).max()
-            metrics["fipo/weight_max"].append(self.accelerator.reduce(masked_max, reduction="max").item())
-        # Useful-token fraction: tokens whose policy gradient is non-zero after filtering, clipping and
-        # masking, over every token generated for this micro-batch (the part discarded by filters or
-        # spent on drafts is charged through the rollout's kept fraction).
-        if mode == "train":
-            generated = inputs.get("generated_mask", mask)
-            totals = torch.stack([stats["useful"].float().mul(mask).sum(), generated.float().sum()])
-            totals = self.accelerator.reduce(totals, reduction="sum")
-            useful, produced = totals.tolist()
-            self._tokens_useful_total += int(useful)
-            metrics["useful_token_fraction"].append(useful / max(produced, 1.0) * self._kept_fraction)
-            metrics["tokens/useful_total"].append(float(self._tokens_useful_total))
-            metrics["tokens/generated_total"].append(float(self._tokens_generated_total))
-            metrics["generation_rounds_total"].append(float(self._generation_rounds_total))

@@ -249,3 +249,16 @@ def test_every_module_imports_alone_in_a_fresh_process():
     assert not failures, "modules that fail to import on their own:\n" + "\n".join(
         f"--- {name}\n{trace}" for name, trace in failures.items()
     )
+
+
+def test_the_trainer_s_former_contents_are_still_importable_from_it():
+    """validation.py, loader.py and metrics.py came out of trainer.py; the old import paths keep working."""
+    from grpo_variants import loader, metrics, trainer, validation
+
+    assert trainer.check_model_path is validation.check_model_path
+    assert trainer.check_dataset is validation.check_dataset
+    assert trainer.resolve_reward_funcs is validation.resolve_reward_funcs
+    assert trainer._RepeatedFetchCache is loader.RepeatedFetchCache and trainer._RowBatch is loader.RowBatch
+    assert issubclass(trainer.GRPOVariantTrainer, metrics.TrainerMetrics)
+    for name in ("_log_loss_metrics", "_global_mean", "_global_sequence_fraction", "_log_reward_health"):
+        assert getattr(trainer.GRPOVariantTrainer, name) is getattr(metrics.TrainerMetrics, name)

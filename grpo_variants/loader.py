@@ -1,0 +1,64 @@
+"""The training loader's cache: a generation batch's rows are fetched and moved once, not at every micro-step.
+
+TRL's ``RepeatSampler`` hands the whole generation batch (per-device batch x ``steps_per_generation``
+rows) to every micro-step, and TRL uses it only when it generates. For a µ-GRPO stage of 4,096 rows
+that re-fetch (datasets) and re-traversal (accelerate's ``send_to_device``) cost ~25 ms per update on
+CPU. :meth:`GRPOVariantTrainer.get_train_dataloader <grpo_variants.GRPOVariantTrainer.get_train_dataloader>`
+therefore wraps the training set in :class:`RepeatedFetchCache` (a repeated batch of indices is fetched
+once) and the collator's output in :class:`RowBatch` (a container accelerate and ``pin_memory`` pass
+through untouched); ``_prepare_inputs`` unwraps it and moves the rows to the device only when TRL is
+about to generate from them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RepeatedFetchCache", "RowBatch"]
+
+
+class RepeatedFetchCache(torch.utils.data.Dataset):
+    """A map-style dataset view that serves a repeated batch of indices from its last fetch."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self._indices: list | None = None
+        self._rows: list | None = None
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def __getitems__(self, indices):
+        if indices != self._indices:
+            fetch = getattr(self.dataset, "__getitems__", None)
+            self._rows = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+            self._indices = list(indices)
+        return list(self._rows)
+
+
+class RowBatch:
+    """Collated training rows that accelerate's ``send_to_device`` and torch's ``pin_memory`` leave alone.
+
+    Not a list, tuple or Mapping and without ``.to``: both return it unchanged instead of walking every
+    row of a large generation batch at every micro-step. ``_prepare_inputs`` unwraps it.
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self, collator, rows):
+        self.rows = collator(rows)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+    def __contains__(self, item):
+        return item in self.rows

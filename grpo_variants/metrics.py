@@ -1,0 +1,119 @@
+"""What the trainers log beyond TRL's metrics: loss-side fractions, useful tokens, reward health, rollout timings.
+
+:class:`TrainerMetrics` is a mixin of :class:`~grpo_variants.GRPOVariantTrainer` (it reads the
+trainer's ``accelerator``, ``_metrics`` and counters). Every value is reduced over all processes, so
+each rank logs the same number. Variants add their own metrics by overriding ``_log_loss_metrics``
+and calling ``super()`` first (GSPO's sequence clip fractions, FIPO's drop fraction, µ-GRPO's
+staleness).
+
+Per micro-batch (``_log_loss_metrics``): ``entropy``, ``clip_ratio/{low,high,dual,region}_mean``,
+``kl``, ``veto/{trigger_fraction,fraction}``, ``fipo/weight_{mean,max}``, and in training
+``useful_token_fraction`` (tokens whose policy gradient is non-zero over every token generated for the
+update, dropped groups and drafts included) with the running token totals. Per rollout
+(``_on_rollout_done``): ``time/{generation,reward,logprobs,rollout}_s``,
+``throughput/generated_tokens_per_s``, ``tokens/{generated,kept_fraction}``. Per reward call
+(``_log_reward_health``): ``rewards/<name>/{error_rate,timeout_rate,nan_rate,cache_hit_rate,time_s}``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TrainerMetrics"]
+
+
+class TrainerMetrics:
+    """The metric logging of :class:`~grpo_variants.GRPOVariantTrainer` (a mixin; see the module docstring)."""
+
+    def _log_reward_health(self) -> None:
+        """Error / timeout / NaN / cache-hit rates and time of every wrapped reward, averaged over processes."""
+        keys = ("error_rate", "timeout_rate", "nan_rate", "cache_hit_rate", "time_s")
+        mode = "train" if self.model.training else "eval"
+        for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
+            if not hasattr(func, "pop_metrics"):
+                continue
+            local = func.pop_metrics()
+            values = torch.tensor([float(local[k]) for k in keys], device=self.accelerator.device)
+            values = self.accelerator.reduce(values, reduction="mean")
+            for key, value in zip(keys, values.tolist(), strict=True):
+                self._metrics[mode][f"rewards/{name}/{key}"].append(value)
+
+    def _on_rollout_done(self) -> None:
+        """Bookkeeping after each training rollout: counters, kept fraction, phase timings."""
+        kept = sum(int(b["generated_mask"].sum().item()) for b in self._buffered_inputs)
+        kept = int(self.accelerator.gather(torch.tensor([kept], device=self.accelerator.device)).sum().item())
+        generated = max(self._tokens_generated_round, 1)
+        self._kept_fraction = min(kept / generated, 1.0)
+        self._tokens_generated_total += self._tokens_generated_round
+        self._generation_rounds_total += 1
+        metrics = self._metrics["train"]
+        t = self._phase_time
+        metrics["time/generation_s"].append(t["generation"])
+        metrics["time/reward_s"].append(t["reward"])
+        metrics["time/logprobs_s"].append(t["logprobs"])
+        metrics["time/rollout_s"].append(t["rollout"])
+        if t["generation"] > 0:
+            metrics["throughput/generated_tokens_per_s"].append(self._tokens_generated_round / t["generation"])
+        metrics["tokens/generated"].append(float(self._tokens_generated_round))
+        metrics["tokens/kept_fraction"].append(self._kept_fraction)
+        self._phase_time = dict.fromkeys(self._phase_time, 0.0)
+        self._tokens_generated_round = 0
+
+    def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
+        """Masked mean over every process (values may be (B, 1) per-sequence or (B, T) per-token)."""
+        if values.dim() == 2 and values.shape[1] == 1 and mask.shape[1] != 1:
+            values = values.expand_as(mask)
+        values = values.float()
+        totals = torch.stack([(values * mask).sum(), mask.sum().float()])
+        totals = self.accelerator.reduce(totals, reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def _global_sequence_fraction(self, flags: torch.Tensor, mask: torch.Tensor) -> float:
+        """Fraction, over every process, of sequences with at least one trained token whose ``flags`` is set.
+
+        ``flags`` is per sequence ((B,) or (B, 1)) or per token ((B, T): a row counts if any trained token is set).
+        """
+        rows = (mask > 0).any(dim=-1)
+        if flags.dim() == 2 and flags.shape[1] != 1:
+            flags = (flags.expand(mask.shape) & (mask > 0)).any(dim=-1)
+        flagged = flags.reshape(-1).bool() & rows
+        counts = self.accelerator.reduce(torch.stack([flagged.sum(), rows.sum()]).float(), reduction="sum")
+        return (counts[0] / counts[1].clamp(min=1.0)).item()
+
+    def _log_loss_metrics(self, mode, stats, entropies, mask, inputs) -> None:
+        metrics = self._metrics[mode]
+        mask = mask.float()
+        metrics["entropy"].append(self._global_mean(entropies.detach(), mask))
+        for key, name in (
+            ("is_low_clipped", "clip_ratio/low_mean"),
+            ("is_high_clipped", "clip_ratio/high_mean"),
+            ("is_dual_clipped", "clip_ratio/dual_mean"),
+        ):
+            if key in stats:
+                metrics[name].append(self._global_mean(stats[key], mask))
+        if "is_low_clipped" in stats and "is_high_clipped" in stats:
+            region = stats["is_low_clipped"] | stats["is_high_clipped"]
+            metrics["clip_ratio/region_mean"].append(self._global_mean(region, mask))
+        if "kl" in stats:
+            metrics["kl"].append(self._global_mean(stats["kl"], mask))
+        if self.loss_spec.veto_scope is not None:
+            metrics["veto/trigger_fraction"].append(self._global_mean(stats["veto_triggers"], mask))
+            metrics["veto/fraction"].append(self._global_mean(stats["vetoed"], mask))
+        if "fipo_weights" in stats:
+            weights = stats["fipo_weights"]
+            metrics["fipo/weight_mean"].append(self._global_mean(weights, mask))
+            masked_max = torch.where(mask.bool(), weights.expand_as(mask), torch.zeros_like(mask)).max()
+            metrics["fipo/weight_max"].append(self.accelerator.reduce(masked_max, reduction="max").item())
+        # Useful-token fraction: tokens whose policy gradient is non-zero after filtering, clipping and
+        # masking, over every token generated for this micro-batch (the part discarded by filters or
+        # spent on drafts is charged through the rollout's kept fraction).
+        if mode == "train":
+            generated = inputs.get("generated_mask", mask)
+            totals = torch.stack([stats["useful"].float().mul(mask).sum(), generated.float().sum()])
+            totals = self.accelerator.reduce(totals, reduction="sum")
+            useful, produced = totals.tolist()
+            self._tokens_useful_total += int(useful)
+            metrics["useful_token_fraction"].append(useful / max(produced, 1.0) * self._kept_fraction)
+            metrics["tokens/useful_total"].append(float(self._tokens_useful_total))
+            metrics["tokens/generated_total"].append(float(self._tokens_generated_total))
+            metrics["generation_rounds_total"].append(float(self._generation_rounds_total))

@@ -1,0 +1,103 @@
+"""Construction-time input checks of the trainers: the model path, the datasets, the reward functions.
+
+Each check raises a :mod:`grpo_variants.errors` type whose message names what is wrong and how to fix
+it, before any model is loaded or any completion generated. :class:`~grpo_variants.GRPOVariantTrainer`
+runs them first thing in ``__init__``; they are importable from :mod:`grpo_variants.trainer` too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from grpo_variants.errors import ConfigError, DatasetError, ModelPathError, UnknownRewardError
+
+__all__ = ["check_dataset", "check_model_path", "resolve_reward_funcs"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_path(model) -> None:
+    """Fail early, and clearly, for a model path that does not exist."""
+    if not isinstance(model, (str, os.PathLike)):
+        return
+    path = os.path.expanduser(str(model))
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")) and not os.path.exists(
+            os.path.join(path, "adapter_config.json")
+        ):
+            raise ModelPathError(
+                f"model={str(model)!r} is a folder but holds no config.json: it is not a saved model. "
+                "Save one with model.save_pretrained(path), or use grpo_variants.toy.prepare().model_path."
+            )
+        return
+    looks_local = path.startswith((os.sep, ".", "~")) or os.sep in path.strip(os.sep) and not _HUB_ID.match(path)
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if looks_local or not _HUB_ID.match(path) or offline and not _in_hf_cache(path):
+        raise ModelPathError(
+            f"model={str(model)!r} does not exist: it is neither a local folder nor "
+            + ("a hub id in the local cache (HF_HUB_OFFLINE is set)." if offline else "a hub id of the form org/name.")
+            + " Pass the folder of a saved model (e.g. grpo_variants.toy.prepare().model_path) or a hub id."
+        )
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # pragma: no cover - very old huggingface_hub
+        return False
+
+
+def check_dataset(dataset, name: str) -> None:
+    """A dataset must exist, be non-empty and carry a ``prompt`` column."""
+    if dataset is None:
+        if name == "train_dataset":
+            raise DatasetError("train_dataset is required: pass a datasets.Dataset with a 'prompt' column.")
+        return
+    if isinstance(dataset, dict):  # several eval datasets
+        for key, value in dataset.items():
+            check_dataset(value, f"{name}[{key!r}]")
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and "prompt" not in columns:
+        raise DatasetError(
+            f"{name} has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, e.g. "
+            "dataset.rename_column('question', 'prompt')."
+        )
+    try:
+        size = len(dataset)
+    except TypeError:  # IterableDataset
+        return
+    if size == 0:
+        raise DatasetError(f"{name} is empty: it needs at least one row with a 'prompt'.")
+
+
+def resolve_reward_funcs(reward_funcs) -> list:
+    """Turn registered reward names into callables; keep callables, reward-model paths and hub ids."""
+    from grpo_variants.rewards.registry import get_reward
+
+    if reward_funcs is None:
+        raise ConfigError(
+            "reward_funcs is required: pass a callable, a registered reward name (see `grpo-variants list`) "
+            "or a list of them."
+        )
+    items = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not items:
+        raise ConfigError("reward_funcs is empty: pass at least one reward function.")
+    resolved = []
+    for item in items:
+        if isinstance(item, str):
+            try:
+                resolved.append(get_reward(item))
+                continue
+            except UnknownRewardError:
+                if os.path.isdir(os.path.expanduser(item)) or _HUB_ID.match(item):
+                    resolved.append(item)  # a reward *model*: TRL loads it
+                    continue
+                raise
+        elif not callable(item):
+            raise ConfigError(f"reward_funcs entry {item!r} is neither callable nor a registered reward name.")
+        resolved.append(item)
+    return resolved
