@@ -462,7 +462,19 @@ class GRPOVariantTrainer(GRPOTrainer):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._last_rewards_per_func = rewards_per_func  # gathered over processes: (global batch, n_funcs)
         self._log_reward_health()
+        self._log_lengths_by_outcome(completion_ids_list)
         return rewards_per_func
+
+    def _log_lengths_by_outcome(self, completion_ids_list) -> None:
+        """``completions/mean_length_right`` / ``_wrong`` / ``right_fraction`` (grpo_variants.mechanisms)."""
+        from grpo_variants.mechanisms import lengths_by_outcome
+
+        lengths = torch.tensor([float(len(ids)) for ids in completion_ids_list], device=self.accelerator.device)
+        lengths = self.accelerator.gather(lengths)
+        mode = "train" if self.model.training else "eval"
+        for key, value in lengths_by_outcome(lengths, self.weighted_rewards()).items():
+            if value == value:  # not NaN: a batch with no right (or no wrong) completion logs nothing for it
+                self._metrics[mode][f"completions/{key}"].append(value)
 
     def _log_reward_health(self) -> None:
         """Error / timeout / NaN / cache-hit rates and time of every wrapped reward, averaged over processes."""
