@@ -7,25 +7,25 @@ refine. This task keeps the toy kit's tiny model and offline tokenizer but makes
     from grpo_variants import toy
     kit = toy.prepare(task="chain")          # cached warm start (a few CPU minutes the first time)
     kit.reward                               # "toy_chain_accuracy" (registered)
-    kit.max_completion_length                # 64: the completion budget the task is sized for
+    kit.max_completion_length                # 56: the completion budget the task is sized for
     kit.evaluate(kit.model_path)             # held-out greedy accuracy on 500 problems
     kit.evaluate_details(kit.model_path)     # + mean length of right / wrong answers, truncation rate
 
-A problem adds ``difficulty + 2`` two-digit numbers (difficulty 1-5: 3-7 operands). The prompt is
-``"12+35+71="``; a completion writes the running sums and ends with ``>`` and the answer. The warm
-start is taught four verbosities of the same reasoning, so the policy has lengths to choose from:
+A problem adds ``2 x difficulty + 1`` one-digit numbers (difficulty 1-5: 3-11 operands). The prompt is
+``"7+5+9="``; a completion writes the running sums and ends with ``>`` and the answer. The warm start
+is taught four verbosities of the same reasoning, so the policy has lengths to choose from:
 
-=========  ==========================================  ===================================
-form       completion of ``12+35+71=``                  tokens (3 / 5 / 7 operands)
-=========  ==========================================  ===================================
-terse      ``>118``                                     4
-short      ``47,118>118``                               ~11 / ~19 / ~27
-full       ``12+35=47,47+71=118>118``                   ~23 / ~48 / ~72
-verbose    ``12+35=42+5=47,47+71=117+1=118>118``        ~31 / ~65 / ~100
-=========  ==========================================  ===================================
+=========  ==========================================  ==================================
+form       completion of ``7+5+9=``                     tokens (3 / 5 / 7 / 11 operands)
+=========  ==========================================  ==================================
+terse      ``>21``                                      3
+short      ``12,21>21``                                 ~7 / ~13 / ~19 / ~31
+full       ``7+5=12,12+9=21>21``                        ~16 / ~32 / ~48 / ~80
+verbose    ``7+5=7+3+2=12,12+9=12+8+1=21>21``           ~25 / ~50 / ~76 / ~128
+=========  ==========================================  ==================================
 
-(the verbose form adds the tens first, then the units). Length grows with difficulty, and the
-default budget of 64 completion tokens truncates the verbose form of 5-operand problems: a visible
+(the verbose form "makes ten" whenever a sum crosses a ten). Length grows with difficulty, and the
+default budget of 56 completion tokens truncates the verbose form of 7-operand problems: a visible
 share of completions is cut at the start of RL and gets no answer (reward 0).
 
 The reward (``toy_chain_accuracy``) reads the integer after the *last* ``>`` and compares it with
@@ -85,13 +85,13 @@ __all__ = [
 ]
 
 TASKS = ("chain",)
-LEVELS = (1, 2, 3, 4, 5)  # difficulty d: d + 2 operands
-DEFAULT_LEVELS = (1, 2, 3)  # the RL task: 3-5 operands
+LEVELS = (1, 2, 3, 4, 5)  # difficulty d: 2d + 1 one-digit operands
+DEFAULT_LEVELS = (1, 2, 3)  # the RL task: 3, 5 or 7 operands
 FORMS = ("terse", "short", "full", "verbose")
 CHARS = "".join(toy.CHARS) + ",>"
-MAX_COMPLETION_LENGTH = 64
+MAX_COMPLETION_LENGTH = 56
 MAX_POSITIONS = 256  # refinement prompts (question, draft, question) plus the completion fit
-# iGRPO's toy template (the vocabulary has no letters): q' = "12+35+71=(<draft>)12+35+71=".
+# iGRPO's toy template (the vocabulary has no letters): q' = "7+5+9=(<draft>)7+5+9=".
 DRAFT_TEMPLATE = "{prompt}({draft}){prompt}"
 
 
@@ -100,8 +100,8 @@ DRAFT_TEMPLATE = "{prompt}({draft}){prompt}"
 # --------------------------------------------------------------------------------------------
 def _operands(rng: random.Random, difficulty: int) -> list[int]:
     if difficulty not in LEVELS:
-        raise ConfigError(f"chain difficulty must be one of {LEVELS} (difficulty + 2 operands), got {difficulty!r}.")
-    return [rng.randint(10, 99) for _ in range(difficulty + 2)]
+        raise ConfigError(f"chain difficulty must be one of {LEVELS} (2 x difficulty + 1 operands), got {difficulty!r}.")
+    return [rng.randint(1, 9) for _ in range(2 * difficulty + 1)]
 
 
 def _prompt(operands: list[int]) -> str:
@@ -124,9 +124,9 @@ def make_trace(operands: list[int], form: str = "full", mistake_at: int | None =
         sums.append(running)
         if form == "full":
             steps.append(f"{a}+{b}={running}")
-        elif form == "verbose":
-            tens = a + (b // 10) * 10
-            steps.append(f"{a}+{b}={tens}+{b % 10}={running}")
+        elif form == "verbose":  # "make ten" when the sum crosses a ten: 17+5=17+3+2=22
+            fill = 10 - a % 10
+            steps.append(f"{a}+{b}={a}+{fill}+{b - fill}={running}" if 0 < fill < b else f"{a}+{b}={running}")
     if form == "terse":
         body = ""
     elif form == "short":
@@ -170,20 +170,29 @@ chain_accuracy_pm1 = reward("toy_chain_accuracy_pm1", "Toy chain addition: +1 co
 # Datasets
 # --------------------------------------------------------------------------------------------
 def _problem_sets(levels, num_eval: int, num_warmstart: int, num_train: int, seed: int):
-    """Disjoint eval / warmstart / train problem lists (levels cycled, so each split mixes them evenly)."""
+    """Disjoint eval / warmstart / train problem lists (levels cycled, so each split mixes them evenly).
+
+    No prompt of a split appears in an earlier split; eval and warmstart (the warm start's probe) hold
+    distinct prompts, train may repeat one (3 one-digit operands make only 729 problems).
+    """
     rng = random.Random(f"chain-{seed}")
-    seen: set[str] = set()
+    earlier: set[str] = set()
     out = {}
     for split, count in (("eval", num_eval), ("warmstart", num_warmstart), ("train", num_train)):
-        rows = []
+        rows, mine, attempts = [], set(), 0
         while len(rows) < count:
+            attempts += 1
+            if attempts > 200 * count + 1000:
+                raise ConfigError(f"the chain task cannot draw {count} {split} problems at levels {levels}: too few "
+                                  "distinct problems left; use fewer held-out problems or higher levels.")
             d = levels[len(rows) % len(levels)]
             ops = _operands(rng, d)
             p = _prompt(ops)
-            if p in seen:
+            if p in earlier or (split != "train" and p in mine):
                 continue
-            seen.add(p)
+            mine.add(p)
             rows.append((ops, d))
+        earlier |= mine
         out[split] = rows
     return out
 
@@ -194,7 +203,7 @@ def _levels(difficulty) -> tuple[int, ...]:
     levels = (difficulty,) if isinstance(difficulty, int) else tuple(difficulty)
     for d in levels:
         if d not in LEVELS:
-            raise ConfigError(f"chain difficulty must be in {LEVELS} (difficulty + 2 operands), got {difficulty!r}.")
+            raise ConfigError(f"chain difficulty must be in {LEVELS} (2 x difficulty + 1 operands), got {difficulty!r}.")
     return levels
 
 
@@ -203,7 +212,7 @@ def make_dataset(
     difficulty=None,
     n: int | None = None,
     num_eval: int = 500,
-    num_warmstart: int = 4000,
+    num_warmstart: int = 300,
     num_train: int = 20000,
     conversational: bool = False,
     seed: int = 0,
@@ -314,7 +323,7 @@ def evaluate(model_or_path, dataset, tokenizer=None, **kwargs) -> float:
 class ReasoningWarmStartConfig:
     """Supervised warm start on traces of mixed verbosity with injected mistakes, plus refinement rows."""
 
-    levels: tuple = (1, 2, 3, 4)  # trained on; the probe uses the RL levels
+    levels: tuple = (1, 2, 3)  # trained on; the probe uses the RL levels
     probe_levels: tuple = DEFAULT_LEVELS
     form_weights: tuple = (0.15, 0.2, 0.4, 0.25)  # terse, short, full, verbose
     mistake_rate: float = 0.25
@@ -323,8 +332,8 @@ class ReasoningWarmStartConfig:
     target_high: float = 0.50
     min_steps: int = 100
     max_steps: int = 4000
-    check_every: int = 25
-    batch_size: int = 64
+    check_every: int = 20
+    batch_size: int = 32
     lr: float = 1e-3
     seed: int = 0
     probe_size: int = 200
@@ -360,9 +369,10 @@ def warm_start(output_dir=None, config: ReasoningWarmStartConfig | None = None, 
     tokenizer = build_tokenizer()
     model = toy.build_model(tokenizer, config.model, seed=config.seed)
     model.train()
-    # The warm start draws its own problems and drops every prompt of the RL splits (eval, probe, train).
-    pool = [ops for ops, _ in _problem_sets(tuple(config.levels), 0, 20000, 0, seed=1000 + config.seed)["warmstart"]]
-    rl = _problem_sets(DEFAULT_LEVELS, 500, 4000, 20000, seed=0)
+    # The warm start draws its own problems and drops every held-out prompt
+    # (held out: the RL eval split and the probe; the RL train split may overlap, it is not held out)
+    pool = [ops for ops, _ in _problem_sets(tuple(config.levels), 0, 0, 20000, seed=1000 + config.seed)["train"]]
+    rl = _problem_sets(DEFAULT_LEVELS, 500, 300, 0, seed=0)
     rl_prompts = {_prompt(ops) for rows in rl.values() for ops, _ in rows}
     pool = [ops for ops in pool if _prompt(ops) not in rl_prompts]
     probe_rows = [(ops, d) for ops, d in rl["warmstart"] if d in config.probe_levels][: config.probe_size]
@@ -374,12 +384,11 @@ def warm_start(output_dir=None, config: ReasoningWarmStartConfig | None = None, 
     started = time.perf_counter()
     history, details, step = [], {}, 0
     for step in range(1, config.max_steps + 1):
-        rows = []
-        for ops in rng.sample(pool, config.batch_size):
-            if rng.random() < config.refinement_fraction:
-                rows.append(make_refinement_row(rng, ops))
-            else:
-                rows.append((_prompt(ops), _sample_trace(rng, ops, config.form_weights, config.mistake_rate)[1]))
+        # a batch is all refinement rows or all plain rows (refinement rows are about twice as long: padding)
+        refine = rng.random() < config.refinement_fraction
+        rows = [make_refinement_row(rng, ops) if refine
+                else (_prompt(ops), _sample_trace(rng, ops, config.form_weights, config.mistake_rate)[1])
+                for ops in rng.sample(pool, config.batch_size)]
         ids, att, lab = toy._sft_batch(tokenizer, rows, torch.device("cpu"))
         loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
         optimizer.zero_grad(set_to_none=True)

@@ -16,26 +16,27 @@ from grpo_variants.rewards.registry import get_reward
 
 
 def test_traces_state_the_sum_and_grow_with_verbosity_and_difficulty():
-    ops = [12, 35, 71]
-    assert tr.make_trace(ops, "terse") == (">118", 118)
-    assert tr.make_trace(ops, "short") == ("47,118>118", 118)
-    assert tr.make_trace(ops, "full") == ("12+35=47,47+71=118>118", 118)
-    assert tr.make_trace(ops, "verbose") == ("12+35=42+5=47,47+71=117+1=118>118", 118)
+    ops = [7, 5, 9]
+    assert tr.make_trace(ops, "terse") == (">21", 21)
+    assert tr.make_trace(ops, "short") == ("12,21>21", 21)
+    assert tr.make_trace(ops, "full") == ("7+5=12,12+9=21>21", 21)
+    assert tr.make_trace(ops, "verbose") == ("7+5=7+3+2=12,12+9=12+8+1=21>21", 21)  # "make ten" when crossing
+    assert tr.make_trace([7, 3, 1], "verbose") == ("7+3=10,10+1=11>11", 11)  # no ten crossed: plain steps
     # a mistake is carried to the end
-    assert tr.make_trace(ops, "full", mistake_at=0, delta=10) == ("12+35=57,57+71=128>128", 128)
-    rng = random.Random(0)
+    assert tr.make_trace(ops, "full", mistake_at=0, delta=10) == ("7+5=22,22+9=31>31", 31)
     for form in ("short", "full", "verbose"):
-        lengths = [len(tr.make_trace([rng.randint(10, 99) for _ in range(d + 2)], form)[0]) for d in tr.LEVELS]
+        lengths = [len(tr.make_trace([9] * (2 * d + 1), form)[0]) for d in tr.LEVELS]
         assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
-    assert len(tr.make_trace([99] * 7, "verbose")[0]) > tr.MAX_COMPLETION_LENGTH  # the budget truncates some
+    assert len(tr.make_trace([9] * 7, "verbose")[0]) > tr.MAX_COMPLETION_LENGTH  # the budget truncates some
+    assert len(tr.make_trace([9] * 7, "full")[0]) < tr.MAX_COMPLETION_LENGTH
 
 
 def test_reward_reads_the_answer_after_the_last_marker():
     score = get_reward("toy_chain_accuracy")
-    completions = ["47,118>118", "47>117", "12+35=47,47+71=11", ">118", "118", "12+35=47>47,47+71=118>118"]
-    assert score(None, completions, ["118"] * 6) == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
-    conversational = [[{"role": "assistant", "content": "47,118>118"}]]
-    assert score(None, conversational, ["118"]) == [1.0]
+    completions = ["12,21>21", "12>12", "7+5=12,12+9=2", ">21", "21", "7+5=12>12,12+9=21>21"]
+    assert score(None, completions, ["21"] * 6) == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    conversational = [[{"role": "assistant", "content": "12,21>21"}]]
+    assert score(None, conversational, ["21"]) == [1.0]
     assert get_reward("toy_chain_accuracy_pm1")(None, ["1>2", ">3"], ["3", "3"]) == [-1.0, 1.0]
 
 
@@ -47,7 +48,7 @@ def test_splits_are_disjoint_and_levels_mixed():
     assert len(sets["eval"]) == 500 and set(sets["eval"]["difficulty"]) == set(tr.DEFAULT_LEVELS)
     row = sets["eval"][0]
     assert sum(int(x) for x in row["prompt"].rstrip("=").split("+")) == int(row["answer"])
-    assert len(row["prompt"].split("+")) == row["difficulty"] + 2
+    assert len(row["prompt"].split("+")) == 2 * row["difficulty"] + 1
     with pytest.raises(ConfigError):
         tr.make_dataset("eval", difficulty=9)
 
@@ -57,7 +58,7 @@ def test_refinement_rows_use_igrpos_template_and_target_the_correct_trace():
 
     rng = random.Random(0)
     for _ in range(50):
-        ops = [rng.randint(10, 99) for _ in range(3)]
+        ops = [rng.randint(1, 9) for _ in range(5)]
         prompt, target = tr.make_refinement_row(rng, ops)
         q = tr._prompt(ops)
         assert prompt.startswith(q + "(") and prompt.endswith(")" + q)
@@ -69,7 +70,7 @@ def test_tokenizer_round_trips_the_new_characters(tmp_path):
     tok = tr.build_tokenizer(save_to=tmp_path)
     toy.build_model(tok, toy.ToyModelConfig(max_position_embeddings=tr.MAX_POSITIONS)).save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
-    text = "12+35+71=(12+35=47,47+71=118>118)12+35+71="
+    text = "7+5+9=(7+5=12,12+9=21>21)7+5+9="
     assert reloaded(text)["input_ids"] == tok(text)["input_ids"]
     assert len(tok(text)["input_ids"]) == len(text)  # one token per character
     assert reloaded.decode(reloaded(text)["input_ids"]) == text
