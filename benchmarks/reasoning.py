@@ -48,6 +48,7 @@ PAPER: dict[str, dict] = {
     "dr_grpo": dict(epsilon=0.2, epsilon_high=None, steps_per_generation=1, beta=0.0),
     # GSPO: sequence-level clip 3e-4 / 4e-4, 4 mini-batches per rollout
     "gspo": dict(epsilon=3e-4, epsilon_high=4e-4, mini_batches_per_rollout=4, beta=0.0),
+    "gspo_token": dict(epsilon=3e-4, epsilon_high=4e-4, mini_batches_per_rollout=4, beta=0.0),
     # µ-GRPO: relaxed clip [0, 5], H_kappa veto at 1e-4; a stage of 4 mini-batches visited twice (8 updates per
     # refresh; the paper's µ = 1,024 does not fit a toy budget)
     "mu_grpo": dict(relaxed_clip=True, mu_clip_lower=0.0, mu_clip_upper=5.0, veto_scope="H_kappa",
@@ -153,8 +154,11 @@ def run_all(args) -> None:
     records, results, overridden = [], [], {}
     started = time.perf_counter()
     arms = [(v, v, PAPER.get(v, {})) for v in variants]
-    if not args.no_ablations:
-        arms += [(name, base, fields) for name, (base, fields) in ABLATIONS.items() if base in variants]
+    if not args.no_ablations:  # each ablation right after its base variant
+        for name, (base, fields) in ABLATIONS.items():
+            if base in variants:
+                at = next(i for i, arm in enumerate(arms) if arm[0] == base) + 1
+                arms.insert(at, (name, base, fields))
     for name, base, paper in arms:
         fields = _known_fields(base, paper)
         overridden[name] = {"variant": base, "paper_settings": fields, "shared": SHARED}
@@ -216,6 +220,26 @@ def _write(out, records, results, overridden, seeds, budget, eval_size, args, se
     (out / "reasoning.md").write_text("\n".join(lines) + "\n")
 
 
+def merge(parts: list[str], out: Path) -> None:
+    """Join the outputs of several runs (e.g. two processes, each on some arms) into one set of files."""
+    from grpo_variants.lab import LabResult
+
+    records, results, per_variant, settings = [], [], {}, None
+    for part in parts:
+        blob = json.loads((Path(part) / "reasoning.json").read_text())
+        settings = settings or blob["settings"]
+        lab_result = LabResult.from_json(Path(part) / "reasoning_lab.json")
+        for record, summary in zip(blob["records"], lab_result.summary_rows, strict=True):
+            records.append(record)
+            results.append(LabResult(rows=[r for r in lab_result.rows if r["variant"] == record["variant"]],
+                                     summary_rows=[summary], meta=lab_result.meta))
+        per_variant.update(blob["settings"]["per_variant"])
+    args = argparse.Namespace(quick=settings["quick"])
+    seconds = max(json.loads((Path(p) / "reasoning.json").read_text())["settings"]["seconds"] for p in parts)
+    _write(out, records, results, per_variant, settings["seeds"], settings["budget_tokens"], settings["eval_problems"],
+           args, seconds)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grpo-check", action="store_true", help="one GRPO run: accuracy gain vs its standard error")
@@ -225,11 +249,15 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=None)
     parser.add_argument("--seeds", default=None)
     parser.add_argument("--budget-tokens", type=int, default=None)
-    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-every", type=int, default=0, help="0: evaluate at the start and the stop only")
     parser.add_argument("--eval-size", type=int, default=None)
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--merge", default=None, help="comma-separated output folders of partial runs to join into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        merge(args.merge.split(","), Path(args.out))
+        return 0
     if args.grpo_check:
         result = grpo_check(args)
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -116,3 +116,34 @@ def test_lab_rows_carry_the_mechanism_columns():
     assert summary["mean_length_wrong"] == 25.0 and summary["truncation_rate_start"] == 0.25
     assert summary["truncation_rate"] == pytest.approx(0.15) and summary["ds_drop_rate"] == 0.5
     assert summary["igrpo_refined_accuracy"] == 0.5 and summary["fipo_weight_mean"] == 1.05
+
+
+def test_trainer_logs_lengths_of_right_and_wrong_completions():
+    """The base trainer's hook on a hand-built rollout: 3 completions of 2 / 4 / 9 tokens, rewards 1 / 0 / 0."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from grpo_variants.trainer import GRPOVariantTrainer
+
+    fake = SimpleNamespace(
+        accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t),
+        model=SimpleNamespace(training=True),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        weighted_rewards=lambda: torch.tensor([1.0, 0.0, 0.0]),
+    )
+    GRPOVariantTrainer._log_lengths_by_outcome(fake, [[1, 2], [1, 2, 3, 4], list(range(9))])
+    logged = fake._metrics["train"]
+    assert logged["completions/mean_length_right"] == [2.0]
+    assert logged["completions/mean_length_wrong"] == [6.5]
+    assert logged["completions/right_fraction"] == [pytest.approx(1 / 3)]
+    fake.weighted_rewards = lambda: torch.tensor([0.0, 0.0, 0.0])  # no right completion: that side logs nothing
+    GRPOVariantTrainer._log_lengths_by_outcome(fake, [[1], [1], [1]])
+    assert logged["completions/mean_length_right"] == [2.0] and len(logged["completions/mean_length_wrong"]) == 2
+
+
+def test_toy_prepare_dispatches_the_chain_task():
+    kit = toy.prepare(task="chain", warm=False, verbose=False)
+    assert isinstance(kit, tr.ReasoningKit) and kit.reward == "toy_chain_accuracy"
+    assert kit.max_completion_length == tr.MAX_COMPLETION_LENGTH and len(kit.eval_dataset) == 500
+    assert AutoTokenizer.from_pretrained(kit.model_path)(">,")["input_ids"] == tr.build_tokenizer()(">,")["input_ids"]
+    assert toy.prepare(task="addition", warm=False, verbose=False).eval_dataset[0]["difficulty"] == 2
