@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def grpo_check(args) -> dict:
     spec = get_variant("grpo")
     values = {**TOY_CONFIG, **SHARED, **_known_fields("grpo", PAPER["grpo"]),
               "max_completion_length": kit.max_completion_length, "max_steps": args.steps, "seed": args.seed,
-              "output_dir": str(Path(args.out) / "_grpo_check")}
+              "output_dir": tempfile.mkdtemp(prefix="reasoning-grpo-check-"), "save_strategy": "no"}
     config = spec.config_cls(**values)
     trainer = spec.trainer_cls(model=kit.model_path, reward_funcs=kit.reward, args=config,
                                train_dataset=kit.train_dataset)
@@ -147,7 +148,8 @@ def write_grpo_md(result: dict, out: Path) -> None:
     b, a = result["before"], result["after"]
     lines = [
         "# GRPO on the chain-of-thought toy task: held-out gain vs its standard error", "",
-        f"{result['created']} · {result['steps']} optimizer steps of {result['config']['per_device_train_batch_size']} "
+        f"{result['created']} · {result['steps']} optimizer steps of "
+        f"{result['config']['per_device_train_batch_size']} "
         f"completions (G = {result['config']['num_generations']}), lr {result['config']['learning_rate']}, "
         f"temperature {result['config']['temperature']}, beta {result['config']['beta']}, seed {result['seed']} · "
         f"{result['problems']} held-out problems, greedy", "",
@@ -160,7 +162,8 @@ def write_grpo_md(result: dict, out: Path) -> None:
                      f"{d['mean_length_wrong'] or 0:.1f} | {100 * d['truncation_rate']:.1f}% | {levels} |")
     lines += ["", f"Gain {100 * result['gain']:+.1f} points, standard error {100 * result['gain_se']:.1f} "
               f"(binomial, both evaluations): **{result['gain_over_se']:.1f} standard errors**. Training took "
-              f"**{result['train_cpu_seconds']:.0f} s of process CPU time** ({result['train_wall_seconds']:.0f} s wall on "
+              f"**{result['train_cpu_seconds']:.0f} s of process CPU time** "
+              f"({result['train_wall_seconds']:.0f} s wall on "
               f"a 2-core machine shared with other jobs; {result['threads']} thread(s)); "
               f"{result['generated_tokens']:,} tokens generated.", "",
               "Rerun: `python benchmarks/reasoning.py --grpo-check --steps 40`."]
@@ -230,7 +233,9 @@ def _write(out, records, results, overridden, seeds, budget, eval_size, args, se
     def f(v, pct=False):
         if v is None:
             return "–"
-        return f"{100 * v:.1f}%" if pct else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}")
+        if pct:
+            return f"{100 * v:.1f}%"
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
 
     for r in records:
         acc = r["final_accuracy"]
@@ -240,9 +245,11 @@ def _write(out, records, results, overridden, seeds, budget, eval_size, args, se
             f"{f(r['useful_token_fraction'])} | {f(r['mean_length_right'])} / {f(r['mean_length_wrong'])} | "
             f"{f(r['truncation_rate_start'], True)} → {f(r['truncation_rate'], True)} | {f(r['clip_low'])} / "
             f"{f(r['clip_high'])} | {f(r['ds_drop_rate'], True)} | {f(r['veto_fraction'])} | "
-            f"{f(r['fipo_weight_mean'])} | {f(r['igrpo_draft_accuracy'], True)} → {f(r['igrpo_refined_accuracy'], True)} |")
+            f"{f(r['fipo_weight_mean'])} | {f(r['igrpo_draft_accuracy'], True)} → "
+            f"{f(r['igrpo_refined_accuracy'], True)} |")
     lines += ["", "Per-arm settings (paper settings set explicitly, shared batch shape): `reasoning.json` → "
-              "`settings.per_variant`.", "", "![dashboard](reasoning.png)", "", "![mechanisms](reasoning_mechanisms.png)"]
+              "`settings.per_variant`.", "", "![dashboard](reasoning.png)", "",
+              "![mechanisms](reasoning_mechanisms.png)"]
     (out / "reasoning.md").write_text("\n".join(lines) + "\n")
 
 
@@ -280,7 +287,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--grpo-md", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--merge", default=None, help="comma-separated output folders of partial runs to join into --out")
+    parser.add_argument("--merge", default=None,
+                        help="comma-separated output folders of partial runs to join into --out")
     args = parser.parse_args(argv)
     if args.merge:
         merge(args.merge.split(","), Path(args.out))

@@ -100,7 +100,8 @@ DRAFT_TEMPLATE = "{prompt}({draft}){prompt}"
 # --------------------------------------------------------------------------------------------
 def _operands(rng: random.Random, difficulty: int) -> list[int]:
     if difficulty not in LEVELS:
-        raise ConfigError(f"chain difficulty must be one of {LEVELS} (2 x difficulty + 1 operands), got {difficulty!r}.")
+        raise ConfigError(f"chain difficulty must be one of {LEVELS} (2 x difficulty + 1 operands), "
+                          f"got {difficulty!r}.")
     return [rng.randint(1, 9) for _ in range(2 * difficulty + 1)]
 
 
@@ -108,7 +109,8 @@ def _prompt(operands: list[int]) -> str:
     return "+".join(str(x) for x in operands) + "="
 
 
-def make_trace(operands: list[int], form: str = "full", mistake_at: int | None = None, delta: int = 0) -> tuple[str, int]:
+def make_trace(operands: list[int], form: str = "full", mistake_at: int | None = None,
+               delta: int = 0) -> tuple[str, int]:
     """The completion for ``operands`` in ``form`` and the final answer it states.
 
     ``mistake_at=i`` adds ``delta`` to the i-th partial sum (0-based step); later steps continue
@@ -203,7 +205,8 @@ def _levels(difficulty) -> tuple[int, ...]:
     levels = (difficulty,) if isinstance(difficulty, int) else tuple(difficulty)
     for d in levels:
         if d not in LEVELS:
-            raise ConfigError(f"chain difficulty must be in {LEVELS} (2 x difficulty + 1 operands), got {difficulty!r}.")
+            raise ConfigError(f"chain difficulty must be in {LEVELS} (2 x difficulty + 1 operands), "
+                              f"got {difficulty!r}.")
     return levels
 
 
@@ -378,7 +381,8 @@ def warm_start(output_dir=None, config: ReasoningWarmStartConfig | None = None, 
     probe_rows = [(ops, d) for ops, d in rl["warmstart"] if d in config.probe_levels][: config.probe_size]
     from datasets import Dataset
 
-    probe = Dataset.from_dict({"prompt": [_prompt(o) for o, _ in probe_rows], "answer": [str(sum(o)) for o, _ in probe_rows],
+    probe = Dataset.from_dict({"prompt": [_prompt(o) for o, _ in probe_rows],
+                               "answer": [str(sum(o)) for o, _ in probe_rows],
                                "difficulty": [d for _, d in probe_rows]})
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     started = time.perf_counter()
