@@ -28,6 +28,7 @@ ORDER = [
     "gpu_check.py",  # without CUDA: skipped (full) or its --cpu-smoke check (--quick)
     "overhead.py",
     "variants.py",
+    "reasoning.py",
     "dapo_vs_grpo.py",
     "mu_grpo_speedup.py",
     "code_reward_throughput.py",
@@ -35,11 +36,13 @@ ORDER = [
 
 
 # results/<name>.md files shown in the README, in this order (others follow alphabetically)
-RESULTS_ORDER = ["overhead", "variants", "lab_comparison", "dapo", "mu_grpo", "code_reward", "gpu_check"]
+RESULTS_ORDER = ["overhead", "variants", "lab_comparison", "reasoning", "reasoning_grpo", "dapo", "mu_grpo", "code_reward", "gpu_check"]
 RESULT_SOURCES = {
     "overhead": "overhead.py",
     "variants": "variants.py",
     "lab_comparison": "variants.py",
+    "reasoning": "reasoning.py",
+    "reasoning_grpo": "reasoning.py",
     "dapo": "dapo_vs_grpo.py",
     "mu_grpo": "mu_grpo_speedup.py",
     "code_reward": "code_reward_throughput.py",

@@ -117,9 +117,26 @@ _METRIC_COLUMNS = [
     ("mfu", "throughput/mfu"),
     ("useful_tokens_total", "tokens/useful_total"),
     ("loss", "loss"),
+    # mechanism metrics (grpo_variants.mechanisms): length bias, truncation, dynamic sampling, FIPO, iGRPO
+    ("mean_length", "completions/mean_length"),
+    ("mean_length_right", "completions/mean_length_right"),
+    ("mean_length_wrong", "completions/mean_length_wrong"),
+    ("truncation_rate", "completions/clipped_ratio"),
+    ("ds_pass_rate", "dynamic_sampling/pass_rate"),
+    ("fipo_weight_mean", "fipo/weight_mean"),
+    ("fipo_weight_max", "fipo/weight_max"),
+    ("igrpo_draft_accuracy", "igrpo/draft_reward_mean"),
+    ("igrpo_best_draft_accuracy", "igrpo/best_draft_reward_mean"),
+    ("igrpo_refined_accuracy", "igrpo/refined_reward_mean"),
 ]
 COLUMNS = ["variant", "seed", "step", "wall_seconds", "generated_tokens", "completions"] + [
     c for c, _ in _METRIC_COLUMNS
+] + ["ds_drop_rate"]
+# per-run mechanism summaries: mean over training steps of each column (and the first step's value)
+MECHANISM_COLUMNS = [
+    "mean_length", "mean_length_right", "mean_length_wrong", "truncation_rate", "entropy", "clip_low", "clip_high",
+    "clip_dual", "ds_drop_rate", "veto_fraction", "fipo_weight_mean", "fipo_weight_max", "igrpo_draft_accuracy",
+    "igrpo_best_draft_accuracy", "igrpo_refined_accuracy",
 ]
 
 _X_LABELS = {
@@ -136,6 +153,13 @@ _Y_LABELS = {
     "veto_fraction": "vetoed-token fraction",
     "entropy": "entropy (nats/token)",
     "tokens_per_s": "generated tokens / s",
+    "mean_length_right": "mean length of right completions",
+    "mean_length_wrong": "mean length of wrong completions",
+    "truncation_rate": "truncated completions (no EOS)",
+    "clip_high": "upper-clipped token fraction",
+    "clip_low": "lower-clipped token fraction",
+    "ds_drop_rate": "dynamic sampling: dropped groups",
+    "fipo_weight_mean": "FIPO future-KL weight (mean)",
 }
 
 
@@ -251,6 +275,44 @@ class LabResult:
         plot_curves(self.rows, y=y, x=x, ax=ax)
         if title:
             ax.set_title(title)
+        if path is not None:
+            (fig or ax.figure).tight_layout()
+            (fig or ax.figure).savefig(path, dpi=110)
+        return ax
+
+    def plot_mechanisms(self, path: str | os.PathLike | None = None, title: str | None = None):
+        """Eight panels of mechanism metrics vs step: length of right and of wrong completions, truncation
+        rate, upper / lower clip fractions, dynamic-sampling drop rate, veto fraction, FIPO weight mean and
+        iGRPO draft vs refined accuracy (a panel says so when no variant logged its metric)."""
+        plt = _pyplot()
+        fig, axes = plt.subplots(2, 4, figsize=(19, 8))
+        panels = [("mean_length_right", None), ("mean_length_wrong", None), ("truncation_rate", None),
+                  ("clip_high", None), ("clip_low", None), ("ds_drop_rate", None), ("veto_fraction", None),
+                  ("fipo_weight_mean", None)]
+        for ax, (y, _) in zip(axes.flat, panels, strict=True):
+            plot_curves(self.rows, y=y, x="step", ax=ax, legend=(ax is axes.flat[0]))
+        fig.suptitle(title or "mechanism metrics per optimizer step")
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=100)
+        return fig
+
+    def plot_igrpo(self, ax=None, path: str | os.PathLike | None = None):
+        """iGRPO: mean draft accuracy, best-draft accuracy and refined accuracy per step (training rollouts)."""
+        plt = _pyplot()
+        fig = None
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        rows = [r for r in self.rows if r.get("igrpo_refined_accuracy") is not None]
+        for i, (col, label) in enumerate((("igrpo_draft_accuracy", "drafts (mean)"),
+                                          ("igrpo_best_draft_accuracy", "best draft"),
+                                          ("igrpo_refined_accuracy", "refined"))):
+            renamed = [{**r, "variant": label} for r in rows]
+            plot_curves(renamed, y=col, x="step", ax=ax, legend=False)
+        ax.set_ylabel("training reward (accuracy)")
+        ax.set_title("iGRPO: drafts vs refinements", fontsize=10)
+        if rows:
+            ax.legend(fontsize=8)
         if path is not None:
             (fig or ax.figure).tight_layout()
             (fig or ax.figure).savefig(path, dpi=110)
@@ -386,6 +448,7 @@ def _records_to_rows(records: list[dict], variant: str, seed: int) -> list[dict]
         }
         for column, name in _METRIC_COLUMNS:
             row[column] = _num(rec.get(name))
+        row["ds_drop_rate"] = 1.0 - row["ds_pass_rate"] if row["ds_pass_rate"] is not None else None
         rows.append(row)
     return rows
 
@@ -432,6 +495,13 @@ def _summarise(variant: str, rows: list[dict], initial: dict[int, float | None],
         "mfu": _mean([r["mfu"] for r in train_rows]),
         "budget_reached": all(budget_reached.get(s, False) for s in seeds),
     }
+    for column in MECHANISM_COLUMNS:  # mean over training steps and seeds; "_start": the first step of each seed
+        summary[column] = _mean([r[column] for r in train_rows])
+        summary[f"{column}_start"] = _mean(per_seed(lambda rs, s, c=column: next(
+            (r[c] for r in sorted(rs, key=lambda r: r["step"]) if r["step"] > 0 and _num(r.get(c)) is not None),
+            None)))
+    summary["final_accuracy_se"] = (summary["final_accuracy_std"] / math.sqrt(len(seeds))
+                                    if summary["final_accuracy_std"] is not None else None)
     for key in ("steps", "generated_tokens", "completions"):
         if summary[key] is not None:
             summary[key] = int(round(summary[key]))
@@ -511,8 +581,21 @@ def compare(
     if unknown:
         raise ConfigError(f"overrides names variants that are not compared: {sorted(unknown)}.")
 
+    from grpo_variants import toy_reasoning
+
     is_toy = model is None
-    if is_toy:
+    reasoning = is_toy and task in toy_reasoning.TASKS
+    if reasoning:  # the chain-of-thought toy task: its own reward, completion budget and evaluator
+        kit = toy_reasoning.prepare(task, verbose=verbose)
+        model = kit.model_path
+        train_dataset = train_dataset if train_dataset is not None else kit.train_dataset
+        eval_dataset = eval_dataset if eval_dataset is not None else kit.eval_dataset
+        reward_funcs = reward_funcs or kit.reward
+        common = dict(TOY_CONFIG, max_completion_length=kit.max_completion_length)
+        if eval_fn is None:
+            def eval_fn(m, tok):
+                return toy_reasoning.evaluate(m, eval_dataset, tok, max_new_tokens=common["max_completion_length"])
+    elif is_toy:
         if task not in toy.TASKS:
             raise ConfigError(f"task={task!r} is not a toy task ({toy.TASKS}); pass model=, train_dataset=, ... for "
                               "another task.")

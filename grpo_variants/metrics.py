@@ -38,6 +38,17 @@ class TrainerMetrics:
             for key, value in zip(keys, values.tolist(), strict=True):
                 self._metrics[mode][f"rewards/{name}/{key}"].append(value)
 
+    def _log_lengths_by_outcome(self, completion_ids_list) -> None:
+        """``completions/mean_length_right`` / ``_wrong`` / ``right_fraction`` (grpo_variants.mechanisms)."""
+        from grpo_variants.mechanisms import lengths_by_outcome
+
+        lengths = torch.tensor([float(len(ids)) for ids in completion_ids_list], device=self.accelerator.device)
+        lengths = self.accelerator.gather(lengths)
+        mode = "train" if self.model.training else "eval"
+        for key, value in lengths_by_outcome(lengths, self.weighted_rewards()).items():
+            if value == value:  # not NaN: a batch with no right (or no wrong) completion logs nothing for it
+                self._metrics[mode][f"completions/{key}"].append(value)
+
     def _on_rollout_done(self) -> None:
         """Bookkeeping after each training rollout: counters, kept fraction, phase timings."""
         kept = sum(int(b["generated_mask"].sum().item()) for b in self._buffered_inputs)

@@ -112,7 +112,7 @@ def toy_seed() -> int:
 # --------------------------------------------------------------------------------------------
 # Tokenizer
 # --------------------------------------------------------------------------------------------
-def build_tokenizer(save_to: str | os.PathLike | None = None):
+def build_tokenizer(save_to: str | os.PathLike | None = None, chars: str | None = None, model_max_length: int = 64):
     """Build a character-level tokenizer with the ``tokenizers`` library.
 
     It is a byte-level BPE with no merges over a vocabulary of single characters, pre-tokenized
@@ -121,6 +121,9 @@ def build_tokenizer(save_to: str | os.PathLike | None = None):
     ``model_type: qwen2`` always builds a ``Qwen2Tokenizer``, which imposes that pre-tokenizer: the
     tokenizer built here and the one reloaded from the model folder encode every string the same way.
 
+    ``chars`` replaces the character vocabulary (default :data:`CHARS`; the reasoning tasks of
+    :mod:`grpo_variants.toy_reasoning` add ``,`` and ``>``).
+
     Returns a ``PreTrainedTokenizerFast`` with pad/bos/eos/unk tokens and a chat template. When
     ``save_to`` is given it is saved there and can be reloaded with
     ``AutoTokenizer.from_pretrained(save_to)``.
@@ -128,7 +131,7 @@ def build_tokenizer(save_to: str | os.PathLike | None = None):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_chars = [_byte_level(c) for c in CHARS]
+    byte_chars = [_byte_level(c) for c in (CHARS if chars is None else list(chars))]
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + byte_chars)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
     core.normalizer = normalizers.NFC()
@@ -147,7 +150,7 @@ def build_tokenizer(save_to: str | os.PathLike | None = None):
         unk_token=UNK,
         additional_special_tokens=[USER, ASSISTANT],
         padding_side="left",
-        model_max_length=64,
+        model_max_length=model_max_length,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     if save_to is not None:
@@ -635,7 +638,7 @@ class ToyKit:
 
 def prepare(
     task: str = "addition",
-    difficulty: int = 2,
+    difficulty: int | None = None,
     *,
     num_eval: int = 500,
     conversational: bool = False,
@@ -650,7 +653,15 @@ def prepare(
     them for generation; it is cached separately from the plain-format policy.
 
     With ``warm=False`` the model is randomly initialised (still saved and loaded by path).
+    ``task="chain"`` (multi-operand addition with written-out partial sums) is built by
+    :func:`grpo_variants.toy_reasoning.prepare`.
     """
+    from grpo_variants import toy_reasoning
+
+    if task in toy_reasoning.TASKS:
+        return toy_reasoning.prepare(task, difficulty=difficulty, num_eval=num_eval, conversational=conversational,
+                                     warm=warm, seed=seed, verbose=verbose)
+    difficulty = 2 if difficulty is None else difficulty
     if warm:
         path = warm_start(config=WarmStartConfig(task=task, difficulty=difficulty, seed=seed,
                                                  conversational=conversational), verbose=verbose)

@@ -507,6 +507,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._last_rewards_per_func = rewards_per_func  # gathered over processes: (global batch, n_funcs)
         self._log_reward_health()
+        self._log_lengths_by_outcome(completion_ids_list)
         return rewards_per_func
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):

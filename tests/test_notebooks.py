@@ -11,7 +11,7 @@ import nbformat
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-NAMES = ["01_quickstart.ipynb", "02_compare_variants.ipynb"]
+NAMES = ["01_quickstart.ipynb", "02_compare_variants.ipynb", "03_reasoning_study.ipynb"]
 
 
 def test_notebooks_exist_and_have_no_outputs():
@@ -33,7 +33,8 @@ def test_notebooks_match_their_generator():
         import _build
     finally:
         sys.path.pop(0)
-    for name, cells in (("01_quickstart.ipynb", _build.QUICKSTART), ("02_compare_variants.ipynb", _build.COMPARE)):
+    for name, cells in (("01_quickstart.ipynb", _build.QUICKSTART), ("02_compare_variants.ipynb", _build.COMPARE),
+                        ("03_reasoning_study.ipynb", _build.REASONING)):
         committed = nbformat.read(NOTEBOOKS / name, as_version=4)
         assert [c.source for c in committed.cells] == [c.source for c in cells], f"{name} differs from _build.py"
 
@@ -65,6 +66,8 @@ def test_notebook_executes_and_renders_plots(name, tmp_path):
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     if name.startswith("01"):
         assert "held-out greedy accuracy:" in text
+    elif name.startswith("03"):
+        assert "budget per arm:" in text and "7+5+9=7+5=12,12+9=21>21" in text
     else:
         assert "[lab]" in text and "mu_grpo" in text
     print(f"{name}: executed in {seconds:.0f} s")
