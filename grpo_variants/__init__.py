@@ -14,6 +14,7 @@ from grpo_variants.distributed import install_cpu_distributed_shim  # noqa: E402
 install_cpu_distributed_shim()  # no-op unless a launcher started us on a machine without CUDA
 
 from grpo_variants import toy  # noqa: E402
+from grpo_variants import toy_reasoning  # noqa: E402,F401  (registers the chain task with the toy kit)
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import (
     ConfigError,

@@ -636,6 +636,17 @@ class ToyKit:
         return AutoTokenizer.from_pretrained(self.model_path)
 
 
+# Task name -> builder with prepare()'s signature, for tasks defined in other modules. Such a module
+# imports this one and registers itself (grpo_variants/__init__.py imports it), so the toy kit never
+# imports its extensions: no import cycle.
+TASK_BUILDERS: dict = {}
+
+
+def register_task(name: str, builder) -> None:
+    """Let ``prepare(task=name)`` build a task defined in another module (``builder`` takes prepare's arguments)."""
+    TASK_BUILDERS[name] = builder
+
+
 def prepare(
     task: str = "addition",
     difficulty: int | None = None,
@@ -656,11 +667,9 @@ def prepare(
     ``task="chain"`` (multi-operand addition with written-out partial sums) is built by
     :func:`grpo_variants.toy_reasoning.prepare`.
     """
-    from grpo_variants import toy_reasoning
-
-    if task in toy_reasoning.TASKS:
-        return toy_reasoning.prepare(task, difficulty=difficulty, num_eval=num_eval, conversational=conversational,
-                                     warm=warm, seed=seed, verbose=verbose)
+    if task in TASK_BUILDERS:  # tasks of other modules (the chain task of grpo_variants.toy_reasoning)
+        return TASK_BUILDERS[task](task, difficulty=difficulty, num_eval=num_eval, conversational=conversational,
+                                   warm=warm, seed=seed, verbose=verbose)
     difficulty = 2 if difficulty is None else difficulty
     if warm:
         path = warm_start(config=WarmStartConfig(task=task, difficulty=difficulty, seed=seed,

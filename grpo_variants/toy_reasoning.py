@@ -469,3 +469,7 @@ def prepare(task: str = "chain", difficulty=None, *, num_eval: int = 500, conver
     kwargs = dict(difficulty=difficulty, num_eval=num_eval, conversational=conversational)
     return ReasoningKit(model_path=str(path), train_dataset=make_dataset("train", **kwargs),
                         eval_dataset=make_dataset("eval", **kwargs), warmstart=meta)
+
+
+for _name in TASKS:  # toy.prepare(task=...) builds these (the toy kit never imports this module)
+    toy.register_task(_name, prepare)
