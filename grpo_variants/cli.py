@@ -136,7 +136,9 @@ def cmd_train(argv: list[str]) -> int:
         eval_dataset = kit.eval_dataset
         rewards = rewards or ["toy_accuracy"]
     else:
-        model_path = model
+        from grpo_variants.models import resolve_model
+
+        model_path = resolve_model(model)  # a path, a hub id, or a registered name such as "smollm2"
         train_dataset = _load_dataset(dataset_spec)
         if eval_spec:
             eval_dataset = _load_dataset(eval_spec, split="test")
