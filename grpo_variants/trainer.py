@@ -33,6 +33,7 @@ from trl import GRPOConfig, GRPOTrainer
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError, DatasetError, ModelPathError, UnknownRewardError
 from grpo_variants.losses import LossSpec, compute_policy_loss
+from grpo_variants.rewards.columns import check_reward_columns
 from grpo_variants.rollout_logprobs import SampledLogprobRecorder
 
 # Inputs TRL forwards to the model for multimodal batches; passed through untouched.
@@ -214,6 +215,9 @@ class GRPOVariantTrainer(GRPOTrainer):
         peft_config=None,
         **kwargs,
     ):
+        from grpo_variants.models import resolve_model  # lazy: `python -m grpo_variants.models` imports us
+
+        model = resolve_model(model)  # a registered name ("smollm2") -> its prepared folder
         args = self._coerce_args(args, model)
         check_model_path(model)
         check_dataset(train_dataset, "train_dataset")
@@ -225,6 +229,7 @@ class GRPOVariantTrainer(GRPOTrainer):
                 f"functions ({[getattr(f, '__name__', f) for f in reward_funcs]}): give one weight per function."
             )
         self._check_args(args)
+        check_reward_columns(reward_funcs, train_dataset, "train_dataset")  # before any generation
         reward_funcs = self._wrap_rewards(reward_funcs, args)
         # Phase timers and token counters (see `_timed` and `_record_generated_tokens`).
         self._phase_time = {"generation": 0.0, "reward": 0.0, "logprobs": 0.0, "rollout": 0.0}
