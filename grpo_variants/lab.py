@@ -608,6 +608,9 @@ def compare(
     else:
         if train_dataset is None or reward_funcs is None:
             raise ConfigError("a non-toy task needs model=, train_dataset= and reward_funcs=.")
+        from grpo_variants.models import resolve_model
+
+        model = resolve_model(model)  # e.g. "smollm2" -> the prepared SmolLM2-135M-Instruct folder
         common = {"logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True}
     common.update(config or {})
     common["logging_steps"] = 1  # one row per optimizer step

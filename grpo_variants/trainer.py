@@ -38,6 +38,7 @@ from grpo_variants.errors import ConfigError
 from grpo_variants.loader import RepeatedFetchCache, RowBatch
 from grpo_variants.losses import LossSpec, compute_policy_loss
 from grpo_variants.metrics import TrainerMetrics
+from grpo_variants.rewards.columns import check_reward_columns
 from grpo_variants.rollout_logprobs import SampledLogprobRecorder
 from grpo_variants.sampling import DynamicSamplingMixin
 from grpo_variants.validation import _HUB_ID, check_dataset, check_model_path, resolve_reward_funcs  # noqa: F401
@@ -193,6 +194,9 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
         peft_config=None,
         **kwargs,
     ):
+        from grpo_variants.models import resolve_model  # lazy: `python -m grpo_variants.models` imports us
+
+        model = resolve_model(model)  # a registered name ("smollm2") -> its prepared folder
         args = self._coerce_args(args, model)
         check_model_path(model)
         check_dataset(train_dataset, "train_dataset")
@@ -205,6 +209,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
             )
         self._check_args(args)
         self._init_dynamic_sampling(args, train_dataset)
+        check_reward_columns(reward_funcs, train_dataset, "train_dataset")  # before any generation
         reward_funcs = self._wrap_rewards(reward_funcs, args)
         # Phase timers and token counters (see `_timed` and `_record_generated_tokens`).
         self._phase_time = {"generation": 0.0, "reward": 0.0, "logprobs": 0.0, "rollout": 0.0}

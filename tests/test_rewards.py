@@ -135,9 +135,17 @@ def test_math_unparsable_gold_is_missing(caplog, judge):
 
 def test_math_missing_column_is_clear():
     with pytest.raises(DatasetError, match="'answer'"):
-        _call(math_accuracy, ["\\boxed{1}"], solution=["1"])
-    acc = make_math_accuracy(answer_column="solution")
-    assert _call(acc, ["\\boxed{1}"], solution=["1"]) == [1.0]
+        _call(math_accuracy, ["\\boxed{1}"], gold=["1"])
+    acc = make_math_accuracy(answer_column="gold")
+    assert _call(acc, ["\\boxed{1}"], gold=["1"]) == [1.0]
+
+
+def test_math_accepts_trl_solution_column():
+    # TRL's accuracy_reward reads `solution`; the default math_accuracy reads `answer`, else `solution`
+    assert _call(math_accuracy, ["\\boxed{1}", "\\boxed{2}"], solution=["1", "1"]) == [1.0, 0.0]
+    assert _call(math_accuracy, ["\\boxed{1}"], answer=["1"], solution=["2"]) == [1.0]  # `answer` first
+    with pytest.raises(DatasetError, match="'gold'"):  # an explicit column is the only one read
+        _call(make_math_accuracy(answer_column="gold"), ["\\boxed{1}"], solution=["1"])
 
 
 @pytest.mark.skipif(not math_verify_available(), reason="math-verify (optional extra 'math') is not installed")

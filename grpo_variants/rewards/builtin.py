@@ -134,6 +134,11 @@ class _NamedReward:
     def _params(self) -> dict:
         return {}
 
+    @property
+    def required_columns(self) -> list[str]:
+        """The dataset columns this reward reads: every ``*_column`` parameter (checked at construction)."""
+        return [v for k, v in self._params().items() if k.endswith("_column") and isinstance(v, str)]
+
 
 # --------------------------------------------------------------------------------------------
 # Math accuracy
@@ -160,8 +165,9 @@ def _warn_unparsable_gold(gold: object, reward_name: str) -> None:
 class MathAccuracy(_NamedReward):
     """Whether the completion's final answer equals the gold answer (``correct`` / ``wrong`` score).
 
-    The final answer is the last ``\\boxed{...}``, else "#### X" / "The answer is X" /
-    "Answer: X", else the last number. Equivalence: math_verify when importable (its timeouts
+    The gold answer is read from ``answer_column`` (default ``answer``; with the default, a dataset
+    with TRL's ``solution`` column instead works too). The final answer is the last ``\\boxed{...}``,
+    else "#### X" / "The answer is X" / "Answer: X", else the last number. Equivalence: math_verify when importable (its timeouts
     disabled) or-ed with a built-in normaliser (1/2 == 0.5 == \\frac{1}{2} == \\dfrac12);
     see :mod:`grpo_variants.rewards.math_verify_utils`. A gold answer that cannot be parsed
     scores None (missing) with a one-time warning naming it.
@@ -185,6 +191,16 @@ class MathAccuracy(_NamedReward):
     def _params(self) -> dict:
         return {"correct": self.correct, "wrong": self.wrong, "answer_column": self.answer_column}
 
+    @property
+    def _gold_columns(self) -> tuple[str, ...]:
+        # The default column also accepts TRL's `accuracy_reward` convention, `solution`.
+        return (self.answer_column, "solution") if self.answer_column == "answer" else (self.answer_column,)
+
+    @property
+    def required_columns(self) -> list[tuple[str, ...]]:
+        """One of ``answer`` / ``solution`` (or the configured ``answer_column``)."""
+        return [self._gold_columns]
+
     def judge(self, completion: Any, gold: object) -> bool | None:
         """True / False, or None when the gold answer is unparsable."""
         g = extract_gold_answer(gold)
@@ -196,7 +212,8 @@ class MathAccuracy(_NamedReward):
 
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
         completions = list(completions or [])
-        golds = _column(kwargs, self.answer_column, len(completions), self.__name__)
+        column = next((c for c in self._gold_columns if kwargs.get(c) is not None), self.answer_column)
+        golds = _column(kwargs, column, len(completions), self.__name__)
         out: list[float | None] = []
         for c, g in zip(completions, golds):
             ok = self.judge(c, g)
