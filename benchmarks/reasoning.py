@@ -111,6 +111,7 @@ def grpo_check(args) -> dict:
     spec = get_variant("grpo")
     values = {**TOY_CONFIG, **SHARED, **_known_fields("grpo", PAPER["grpo"]),
               "max_completion_length": kit.max_completion_length, "max_steps": args.steps, "seed": args.seed,
+              **({"per_device_train_batch_size": args.batch} if args.batch else {}),
               "output_dir": tempfile.mkdtemp(prefix="reasoning-grpo-check-"), "save_strategy": "no"}
     config = spec.config_cls(**values)
     trainer = spec.trainer_cls(model=kit.model_path, reward_funcs=kit.reward, args=config,
@@ -278,6 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--grpo-check", action="store_true", help="one GRPO run: accuracy gain vs its standard error")
     parser.add_argument("--steps", type=int, default=40, help="--grpo-check: optimizer steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=None, help="--grpo-check: completions per update (default 64)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--variants", default=None)
     parser.add_argument("--seeds", default=None)
