@@ -325,8 +325,9 @@ plt.show()"""),
 * **µ-GRPO**'s veto never fires at 8 updates per stage and the 1e-4 threshold; with 32 updates per
   stage and a 1e-2 threshold it vetoes 2.7% of tokens on average (up to ~9% late in a stage), and that
   arm still ends lowest: on this model staleness costs more than the veto saves.
-* **iGRPO**'s refinements are right more often than its drafts (16.0% vs 12.8% training reward): the
-  warm start's refinement rows taught the policy to read a draft.
+* **iGRPO**'s refinements are right more often than its average draft (16.0% vs 12.8% training reward),
+  so the policy reads the draft a little; but far less often than the best draft it was shown (38.2%):
+  it does not yet copy a right draft reliably.
 * Longer GRPO runs do learn: 40 steps of 128 completions lift held-out accuracy from 24.2% to 36.6%
   and 32.2% (seeds 0 and 1: 4.3 and 2.8 standard errors, 100 CPU-seconds each); with 64 completions
   per step the gain is not robust (+6.2 and -4.6 points). See `benchmarks/results/reasoning_grpo.md`.
