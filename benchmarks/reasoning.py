@@ -111,6 +111,7 @@ def grpo_check(args) -> dict:
     spec = get_variant("grpo")
     values = {**TOY_CONFIG, **SHARED, **_known_fields("grpo", PAPER["grpo"]),
               "max_completion_length": kit.max_completion_length, "max_steps": args.steps, "seed": args.seed,
+              **({"per_device_train_batch_size": args.batch} if args.batch else {}),
               "output_dir": tempfile.mkdtemp(prefix="reasoning-grpo-check-"), "save_strategy": "no"}
     config = spec.config_cls(**values)
     trainer = spec.trainer_cls(model=kit.model_path, reward_funcs=kit.reward, args=config,
@@ -167,6 +168,28 @@ def write_grpo_md(result: dict, out: Path) -> None:
               f"a 2-core machine shared with other jobs; {result['threads']} thread(s)); "
               f"{result['generated_tokens']:,} tokens generated.", "",
               "Rerun: `python benchmarks/reasoning.py --grpo-check --steps 40`."]
+    (out / "reasoning_grpo.md").write_text("\n".join(lines) + "\n")
+
+
+def write_grpo_runs_md(runs: list[dict], out: Path) -> None:
+    """One row per GRPO check run (seeds, batch sizes), with the gain in standard errors."""
+    lines = ["# GRPO on the chain-of-thought toy task: held-out gain vs its standard error", "",
+             f"{runs[0]['problems']} held-out problems, greedy; 40 optimizer steps each; lr "
+             f"{runs[0]['config']['learning_rate']}, temperature {runs[0]['config']['temperature']}, beta "
+             f"{runs[0]['config']['beta']}, G = {runs[0]['config']['num_generations']}. Standard error: binomial, both "
+             "evaluations. CPU seconds: this process (1 thread); wall seconds on a 2-core machine shared with other "
+             "jobs.", "",
+             "| seed | completions / step | before | after | gain | gain / se | length right / wrong after | "
+             "CPU s | wall s | tokens |", "|" + "---|" * 10]
+    for r in runs:
+        a = r["after"]
+        lines.append(f"| {r['seed']} | {r['config']['per_device_train_batch_size']} | "
+                     f"{100 * r['before']['accuracy']:.1f}% | {100 * a['accuracy']:.1f}% | "
+                     f"{100 * r['gain']:+.1f} ± {100 * r['gain_se']:.1f} | {r['gain_over_se']:+.1f} | "
+                     f"{a['mean_length_right'] or 0:.1f} / {a['mean_length_wrong'] or 0:.1f} | "
+                     f"{r['train_cpu_seconds']:.0f} | {r['train_wall_seconds']:.0f} | {r['generated_tokens']:,} |")
+    lines += ["", "Rerun: `python benchmarks/reasoning.py --grpo-check --steps 40 --seed S [--batch 128]`; "
+              "`--grpo-collect dir1,dir2,...` joins runs into this table."]
     (out / "reasoning_grpo.md").write_text("\n".join(lines) + "\n")
 
 
@@ -278,6 +301,7 @@ def main(argv=None) -> int:
     parser.add_argument("--grpo-check", action="store_true", help="one GRPO run: accuracy gain vs its standard error")
     parser.add_argument("--steps", type=int, default=40, help="--grpo-check: optimizer steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=None, help="--grpo-check: completions per update (default 64)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--variants", default=None)
     parser.add_argument("--seeds", default=None)
@@ -287,11 +311,19 @@ def main(argv=None) -> int:
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--grpo-md", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--grpo-collect", default=None, help="join --grpo-check output folders into one table")
     parser.add_argument("--merge", default=None,
                         help="comma-separated output folders of partial runs to join into --out")
     args = parser.parse_args(argv)
     if args.merge:
         merge(args.merge.split(","), Path(args.out))
+        return 0
+    if args.grpo_collect:
+        runs = [json.loads((Path(d) / "reasoning_grpo.json").read_text()) for d in args.grpo_collect.split(",")]
+        runs = [r for blob in runs for r in (blob["runs"] if "runs" in blob else [blob])]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "reasoning_grpo.json").write_text(json.dumps({"runs": runs}, indent=1))
+        write_grpo_runs_md(runs, Path(args.out))
         return 0
     if args.grpo_md:  # the table from an existing reasoning_grpo.json
         write_grpo_md(json.loads((Path(args.out) / "reasoning_grpo.json").read_text()), Path(args.out))

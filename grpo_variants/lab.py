@@ -413,7 +413,7 @@ def plot_curves(rows, y: str = "eval_accuracy", x: str = "step", ax=None, legend
             by_step.setdefault(r["step"], []).append(r)
         # in step order: x may stay flat (tokens during a µ-GRPO stage) but never goes back
         pts = [(_mean([r[x] for r in rs]), _mean([r[y] for r in rs])) for _, rs in sorted(by_step.items())]
-        marker = "o" if y == "eval_accuracy" else None
+        marker = "o" if y in ("eval_accuracy", "ds_drop_rate", "igrpo_refined_accuracy") else None
         ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, ms=3, lw=1.6,
                 label=variant + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else ""))
     ax.set_xlabel(_X_LABELS.get(x, x))
