@@ -192,8 +192,9 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"on {opts.eval_size} problems (start: {pct(meta['initial_accuracy'])}).",
         "",
         "| arm | final accuracy (mean ± SE over seeds) | per seed | Δ vs on-policy | wall s | CPU s | "
-        "rollout seq/s | veto fraction | (would-be) trigger fraction | clipped fraction | adaptive [low, high] |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "CPU speed-up vs on-policy | rollout seq/s | veto fraction | (would-be) trigger fraction | clipped fraction | "
+        "adaptive [low, high] |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in ARMS:
         a = summary.get(arm)
@@ -203,11 +204,13 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         acc = pct(a["final_accuracy"]) + ("" if se is None else f" ± {100 * se:.1f}")
         delta = "-" if on is None or arm == "on_policy_grpo" else f"{100 * (a['final_accuracy'] - on['final_accuracy']):+.1f} pt"
         trig = a["trigger_fraction"] if a["trigger_fraction"] is not None else a["would_trigger_fraction"]
+        speed = "-" if on is None else f"{on['cpu_seconds'] / max(a['cpu_seconds'], 1e-9):.2f}x"
         bounds = "-" if a["adaptive_clip_low"] is None else f"[{a['adaptive_clip_low']:.2f}, {a['adaptive_clip_high']:.2f}]"
         lines.append(
             f"| {a['label']} | {acc} | {', '.join(pct(x) for x in a['final_accuracy_per_seed'])} | {delta} | "
-            f"{num(a['wall_seconds'], '.0f')} | {num(a['cpu_seconds'], '.0f')} | {num(a['sequences_per_second'], '.1f')} | "
-            f"{pct(a['veto_fraction'])} | {num(trig, '.4f')} | {pct(a['clip_fraction'])} | {bounds} |"
+            f"{num(a['wall_seconds'], '.0f')} | {num(a['cpu_seconds'], '.0f')} | {speed} | "
+            f"{num(a['sequences_per_second'], '.1f')} | {pct(a['veto_fraction'])} | {num(trig, '.4f')} | "
+            f"{num(None if a['clip_fraction'] is None else 100 * a['clip_fraction'], '.2f')}% | {bounds} |"
         )
     lines += ["", f"Evaluation standard error alone (binomial, {opts.eval_size} problems, one seed): about "
               f"{100 * math.sqrt(0.25 / opts.eval_size):.1f} pt at most.", ""]
@@ -234,6 +237,8 @@ def plot(path: Path, runs: list[dict], summary: dict) -> None:
     init = summary[arms[0]]["initial_accuracy"] * 100
     ax.axvline(init, color="grey", ls="--", lw=1, label="start")
     ax.set_yticks(range(len(arms)), [summary[a]["label"] for a in arms], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(max(0.0, min(m - e for m, e in zip(means, errs)) - 6), None)
     ax.set_xlabel("held-out greedy accuracy (%), mean ± SE over seeds, dots = seeds")
     ax.legend(fontsize=8)
     ax = axes[1]
@@ -275,7 +280,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="mu_grpo_ablation")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--append", action="store_true", help="add these seeds' runs to an existing .json (same settings)")
+    ap.add_argument("--from-json", action="store_true", help="only re-render the .md and .png from the .json")
     opts = ap.parse_args(argv)
+    if opts.from_json:
+        out = Path(opts.out)
+        data = json.loads((out / f"{opts.name}.json").read_text())
+        saved = argparse.Namespace(**data["meta"]["options"])
+        write_markdown(out / f"{opts.name}.md", data["summary"], saved, data["meta"])
+        plot(out / f"{opts.name}.png", data["runs"], data["summary"])
+        return 0
     if opts.quick:
         opts.seeds, opts.updates, opts.stage_prompts, opts.eval_size = "0", 4, 8, 50
         opts.arms = "on_policy_grpo,veto_H_kappa,adaptive_H_kappa"
@@ -293,6 +307,15 @@ def main(argv=None) -> int:
                 options=vars(opts), warm_start=kit.warmstart.get("probe_accuracy"))
     runs: list[dict] = []
     json_path = out / f"{opts.name}.json"
+    if opts.append and json_path.exists():
+        previous = json.loads(json_path.read_text())
+        keep = ("updates", "batch", "group", "stage_prompts", "lr", "temperature", "threshold", "adaptive_target",
+                "eval_size")
+        if any(previous["meta"]["options"][k] != getattr(opts, k) for k in keep):
+            raise SystemExit(f"--append: {json_path} was made with other settings; use the same ones or another --name")
+        runs = previous["runs"]
+        meta["options"]["seeds"] = ",".join(sorted({str(r["seed"]) for r in runs} | set(opts.seeds.split(","))))
+        meta["options"]["arms"] = previous["meta"]["options"]["arms"]
     for seed in seeds:
         for arm in arms:
             t0 = time.time()
