@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     if opts.from_json:
         out = Path(opts.out)
         data = json.loads((out / f"{opts.name}.json").read_text())
-        saved = argparse.Namespace(**data["meta"]["options"])
+        saved = argparse.Namespace(**{**data["meta"]["options"], "out": opts.out})
         write_markdown(out / f"{opts.name}.md", data["summary"], saved, data["meta"])
         plot(out / f"{opts.name}.png", data["runs"], data["summary"])
         return 0
@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     del init_trainer
     meta = dict(created=time.strftime("%Y-%m-%d %H:%M:%S"), threads=torch.get_num_threads(),
                 max_completion_length=kit.max_completion_length, initial_accuracy=initial,
-                options=vars(opts), warm_start=kit.warmstart.get("probe_accuracy"))
+                options={k: v for k, v in vars(opts).items() if k != "out"}, warm_start=kit.warmstart.get("probe_accuracy"))
     runs: list[dict] = []
     json_path = out / f"{opts.name}.json"
     if opts.append and json_path.exists():
