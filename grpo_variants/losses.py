@@ -59,6 +59,8 @@ __all__ = [
     "kl_k3",
     "kl_penalized_rewards",
     "relaxed_clip_eps",
+    "AdaptiveClipBounds",
+    "adaptive_clip_bounds",
     "sequence_log_ratio",
     "sequence_token_log_ratio",
     "token_log_ratio",
@@ -288,6 +290,64 @@ def relaxed_clip_eps(lower: float, upper: float) -> tuple[float, float]:
     if not (upper > 1.0):
         raise ConfigError(f"mu_clip_upper must be > 1; got {upper!r}.")
     return 1.0 - lower, upper - 1.0
+
+
+class AdaptiveClipBounds(NamedTuple):
+    """Ratio bounds [lower, upper] chosen by :func:`adaptive_clip_bounds`, and the tokens each side saw."""
+
+    lower: float
+    upper: float
+    negative_tokens: int
+    positive_tokens: int
+
+
+def adaptive_clip_bounds(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    target: float,
+    lower_range: tuple[float, float] = (0.0, 0.8),
+    upper_range: tuple[float, float] = (1.2, 5.0),
+) -> AdaptiveClipBounds:
+    """Clip bounds that clip a ``target`` fraction of the trained tokens, from the ratios they have now.
+
+    A trust region that follows staleness (beyond µ-GRPO's paper, whose bounds are fixed at [0, 5]).
+    PPO's lower bound only clips tokens with A < 0 (r < lower) and the upper bound only tokens with
+    A > 0 (r > upper), so each side is set from its own tokens: with the n_neg masked A < 0 ratios
+    sorted ascending, lower = the k-th (0-based) of them, k = round(target x n_neg), so exactly k of
+    them lie strictly below it (ties can only lower the count); likewise upper = the k-th largest of
+    the n_pos masked A > 0 ratios. So the clipped fraction of each side is target within one token
+    (before the clamp). Each bound is then clamped: lower to ``lower_range`` = (widest, tightest),
+    upper to ``upper_range`` = (tightest, widest) -- by default never tighter than PPO's [0.8, 1.2]
+    and never wider than µ-GRPO's [0, 5]; a side without tokens gets its tightest value.
+
+    ``ratio``: pi_theta / pi_behav per token, (B, T) (detached here); ``advantages``: (B,), (B, 1) or
+    (B, T); ``mask``: (B, T), 0 = not trained (ignored); ``target`` in (0, 0.5). Returns python floats.
+    """
+    if not 0.0 < target < 0.5:
+        raise ConfigError(f"adaptive clip target must lie in (0, 0.5) (a clipped-token fraction); got {target!r}.")
+    lo_min, lo_max = lower_range
+    up_min, up_max = upper_range
+    if not 0.0 <= lo_min <= lo_max < 1.0:
+        raise ConfigError(f"adaptive lower range must satisfy 0 <= min <= max < 1; got {lower_range!r}.")
+    if not 1.0 < up_min <= up_max:
+        raise ConfigError(f"adaptive upper range must satisfy 1 < min <= max; got {upper_range!r}.")
+    r = ratio.detach().float()
+    adv = as_token_advantages(advantages).expand(r.shape)
+    m = (mask > 0).expand(r.shape)
+
+    def kth(values: torch.Tensor, descending: bool) -> float | None:
+        n = values.numel()
+        if n == 0:
+            return None
+        k = min(int(round(target * n)), n - 1)
+        return values.sort(descending=descending).values[k].item()
+
+    neg, pos = r[m & (adv < 0)], r[m & (adv > 0)]
+    lower, upper = kth(neg, False), kth(pos, True)
+    lower = lo_max if lower is None else min(max(lower, lo_min), lo_max)
+    upper = up_min if upper is None else min(max(upper, up_min), up_max)
+    return AdaptiveClipBounds(lower, upper, int(neg.numel()), int(pos.numel()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
