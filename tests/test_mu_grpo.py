@@ -310,5 +310,9 @@ def test_recipe_toy_run(toy_model_path, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "updates/rollout=4" in result.stdout and "held-out accuracy after" in result.stdout
-    assert "'mu_grpo/stage_generation_s'" in result.stdout
+    # the console shows a progress bar, not a dict per step: the stage metrics are in the run's record
+    import json
+
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if line]
+    assert any("mu_grpo/stage_generation_s" in r for r in records)
     assert (tmp_path / "out" / "config.json").exists()
