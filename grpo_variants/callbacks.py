@@ -193,15 +193,17 @@ def _accuracy_keys(records: list[dict]) -> list[str]:
 def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str = "Reward during training") -> Path:
     """Plot mean reward, training accuracy (per-reward means of accuracy rewards) and held-out accuracy
     (``eval_toy_accuracy`` if logged) against optimizer step to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure with its own Agg canvas: nothing global changes, so a notebook's inline backend
+    # (and any pyplot state of the user's) is left as it was.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     steps = [r["step"] for r in records if r.get("reward") is not None]
     rewards = [r["reward"] for r in records if r.get("reward") is not None]
     acc = [(r["step"], r["eval_toy_accuracy"]) for r in records if r.get("eval_toy_accuracy") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     lines = []
     same_as_reward = None
     for key in _accuracy_keys(records):
@@ -231,7 +233,6 @@ def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str =
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
