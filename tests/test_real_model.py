@@ -39,6 +39,7 @@ OWN_METRICS = {
 # Small sizes: one rollout feeds both steps where a variant is off-policy by design.
 SIZING = {
     "mu_grpo": {"stage_prompts": 4, "updates_per_stage": 2},  # 8 completions, 2 mini-batches, µ = 2
+    "dapo": {"mini_batches_per_rollout": 2},  # 16 updates per rollout by default: 64 rows, more than the data
     "fipo": {"mini_batches_per_rollout": 2},
     "gspo": {"mini_batches_per_rollout": 2},
     "gspo_token": {"mini_batches_per_rollout": 2},
