@@ -90,3 +90,22 @@ class HeldOutEval(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.curve[-1]["step"] != state.global_step:
             self._evaluate(state)
+
+
+def time_rollouts(trainer) -> dict:
+    """Time the trainer's outermost training rollout call (generation, scoring, behaviour log-probs, memory
+    release); returns the dict it fills: ``seconds``, ``sequences`` (over all processes) and ``calls``."""
+    rollout = {"seconds": 0.0, "sequences": 0, "calls": 0}
+    inner = trainer._generate_and_score_completions
+
+    def timed_rollout(inputs):
+        start = time.perf_counter()
+        out = inner(inputs)
+        if trainer.model.training:
+            rollout["seconds"] += time.perf_counter() - start
+            rollout["sequences"] += len(inputs) * trainer.accelerator.num_processes
+            rollout["calls"] += 1
+        return out
+
+    trainer._generate_and_score_completions = timed_rollout
+    return rollout

@@ -39,7 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from _common import toy_run_config  # noqa: E402  (sets the offline environment first)
+from _common import time_rollouts, toy_run_config  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
 
@@ -99,19 +99,7 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int, initial: float) -> dic
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix=f"mu-ablation-{arm}-") as tmp:
         trainer = build(arm, kit, opts, seed, tmp)
-        rollout = {"seconds": 0.0, "sequences": 0, "calls": 0}
-        inner = trainer._generate_and_score_completions
-
-        def timed_rollout(inputs):
-            start = time.perf_counter()
-            out = inner(inputs)
-            if trainer.model.training:
-                rollout["seconds"] += time.perf_counter() - start
-                rollout["sequences"] += len(inputs) * trainer.accelerator.num_processes
-                rollout["calls"] += 1
-            return out
-
-        trainer._generate_and_score_completions = timed_rollout
+        rollout = time_rollouts(trainer)
         start, cpu = time.perf_counter(), time.process_time()
         trainer.train()
         wall, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu

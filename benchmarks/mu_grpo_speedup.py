@@ -41,7 +41,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from _common import HeldOutEval, toy_run_config  # noqa: E402  (sets the offline environment first)
+from _common import HeldOutEval, time_rollouts, toy_run_config  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
 
@@ -85,20 +85,7 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
         trainer = build(arm, kit, opts, seed, tmp)
         evaluator = HeldOutEval(trainer, eval_dataset, every_steps=opts.eval_every)
         trainer.add_callback(evaluator)
-        # Time the outermost rollout call (generation + scoring + behaviour log-probs + memory release).
-        rollout = {"seconds": 0.0, "sequences": 0, "calls": 0}
-        inner = trainer._generate_and_score_completions
-
-        def timed_rollout(inputs):
-            start = time.perf_counter()
-            out = inner(inputs)
-            if trainer.model.training:
-                rollout["seconds"] += time.perf_counter() - start
-                rollout["sequences"] += len(inputs) * trainer.accelerator.num_processes
-                rollout["calls"] += 1
-            return out
-
-        trainer._generate_and_score_completions = timed_rollout
+        rollout = time_rollouts(trainer)
         start, cpu = time.perf_counter(), time.process_time()
         trainer.train()
         wall = time.perf_counter() - start - evaluator.eval_seconds
