@@ -41,7 +41,13 @@ from grpo_variants.metrics import TrainerMetrics
 from grpo_variants.rewards.columns import check_reward_columns
 from grpo_variants.rollout_logprobs import SampledLogprobRecorder
 from grpo_variants.sampling import DynamicSamplingMixin
-from grpo_variants.validation import _HUB_ID, check_dataset, check_model_path, resolve_reward_funcs  # noqa: F401
+from grpo_variants.validation import (  # noqa: F401  (re-exported: the checks were importable from here)
+    _HUB_ID,
+    check_dataset,
+    check_model_path,
+    check_prompts_per_round,
+    resolve_reward_funcs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +214,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
                 f"functions ({[getattr(f, '__name__', f) for f in reward_funcs]}): give one weight per function."
             )
         self._check_args(args)
+        check_prompts_per_round(train_dataset, args)
         self._init_dynamic_sampling(args, train_dataset)
         check_reward_columns(reward_funcs, train_dataset, "train_dataset")  # before any generation
         reward_funcs = self._wrap_rewards(reward_funcs, args)

@@ -12,7 +12,7 @@ import re
 
 from grpo_variants.errors import ConfigError, DatasetError, ModelPathError, UnknownRewardError
 
-__all__ = ["check_dataset", "check_model_path", "resolve_reward_funcs"]
+__all__ = ["check_dataset", "check_model_path", "check_prompts_per_round", "resolve_reward_funcs"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -72,6 +72,30 @@ def check_dataset(dataset, name: str) -> None:
         return
     if size == 0:
         raise DatasetError(f"{name} is empty: it needs at least one row with a 'prompt'.")
+
+
+def check_prompts_per_round(dataset, args) -> None:
+    """A map-style train_dataset must hold the distinct prompts of one generation round.
+
+    TRL's sampler hands out ``generation_batch_size / num_generations`` distinct prompts per round and
+    drops an incomplete round, so a smaller dataset yields no batch at all: ``train()`` would stop at
+    step 0 with only a transformers warning. Raise instead, before the model is loaded.
+    """
+    try:
+        size = len(dataset)
+    except TypeError:  # IterableDataset: its length is unknown until it is read
+        return
+    batch, group = args.generation_batch_size, args.num_generations
+    if not batch or not group:
+        return
+    needed = batch // group
+    if size < needed:
+        raise DatasetError(
+            f"train_dataset has {size} prompt(s) but one generation round takes {needed} distinct prompts "
+            f"(generation_batch_size {batch} / num_generations {group}; generation_batch_size = "
+            "per_device_train_batch_size x world_size x steps_per_generation): training would stop at step 0. "
+            f"Use at least {needed} prompts, or lower per_device_train_batch_size / steps_per_generation."
+        )
 
 
 def resolve_reward_funcs(reward_funcs) -> list:

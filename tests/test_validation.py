@@ -164,6 +164,8 @@ TRAINER_CASES = [
      ["'dr_grpo'", "use_adaptive_entropy"]),
     ("variant-with-wrong-config-class", trainer("dapo", args_cls=GRPOVariantConfig), ConfigError,
      ["DAPOConfig", "GRPOVariantConfig"]),
+    ("dataset-smaller-than-one-round", trainer(dataset=lambda: _prompts(3), per_device_train_batch_size=16),
+     DatasetError, ["3 prompt(s)", "4 distinct prompts", "step 0", "at least 4 prompts"]),
     ("dapo-dynamic-sampling-iterable", trainer("dapo", dataset=_iterable, dynamic_sampling=True), ConfigError,
      ["dynamic_sampling=True", "IterableDataset"]),
 ]
@@ -204,3 +206,9 @@ def test_bad_resume_from_checkpoint(resume, words, toy_model_path, tmp_path):
         t.train(resume_from_checkpoint=resume)
     for word in words:
         assert word in str(info.value), f"{word!r} not in: {info.value}"
+
+
+def test_dataset_of_exactly_one_round_is_accepted(toy_model_path, tmp_path):
+    """The boundary of the check above: as many prompts as one round takes is enough."""
+    build = trainer(dataset=lambda: _prompts(4), per_device_train_batch_size=16)
+    assert len(build(toy_model_path, tmp_path).train_dataset) == 4
