@@ -39,6 +39,7 @@ from grpo_variants.loader import RepeatedFetchCache, RowBatch
 from grpo_variants.losses import LossSpec, compute_policy_loss
 from grpo_variants.metrics import TrainerMetrics
 from grpo_variants.rewards.columns import check_reward_columns
+from grpo_variants.rollout_batch import FORWARD_KEYS as _FORWARD_KEYS
 from grpo_variants.rollout_logprobs import SampledLogprobRecorder
 from grpo_variants.sampling import DynamicSamplingMixin
 from grpo_variants.validation import _HUB_ID, check_dataset, check_model_path, resolve_reward_funcs  # noqa: F401
@@ -48,19 +49,6 @@ logger = logging.getLogger(__name__)
 # Kept importable from here (their home was this module): the construction checks, the loader cache.
 _RepeatedFetchCache, _RowBatch = RepeatedFetchCache, RowBatch
 
-# Inputs TRL forwards to the model for multimodal batches; passed through untouched.
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
 
 
 # ------------------------------------------------------------------------------------------------

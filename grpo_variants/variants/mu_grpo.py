@@ -62,14 +62,12 @@ from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError, DatasetError, GRPOVariantsError
 from grpo_variants.losses import adaptive_clip_bounds, relaxed_clip_eps
 from grpo_variants.registry import register_variant
-from grpo_variants.trainer import _FORWARD_KEYS, GRPOVariantTrainer
+from grpo_variants.rollout_batch import concat_rollouts
+from grpo_variants.trainer import GRPOVariantTrainer
 
 __all__ = ["MuGRPOConfig", "MuGRPOTrainer"]
 
 logger = logging.getLogger(__name__)
-
-_UNCHUNKABLE_KEYS = tuple(k for k in _FORWARD_KEYS if k != "token_type_ids") + ("num_images", "num_tiles")
-
 
 def _nearby_multiples(value: int, unit: int, count: int = 3) -> list[int]:
     """Up to ``count`` positive multiples of ``unit`` closest to ``value``."""
@@ -399,7 +397,9 @@ class MuGRPOTrainer(GRPOVariantTrainer):
                 parts.append(super()._generate_and_score_completions(inputs[begin : begin + chunk]))
         finally:
             self._rollout_nested = nested
-        output = parts[0] if len(parts) == 1 else self._concat_rollouts(parts)
+        output = parts[0] if len(parts) == 1 else concat_rollouts(
+            parts, self._tokenizer.pad_token_id, fix="leave generation_chunk_prompts=None"
+        )
         if self.args.updates_per_stage > 1 and output.get("old_per_token_logps") is None:
             raise GRPOVariantsError(  # guards the TRL behaviour the stage relies on
                 "µ-GRPO: TRL did not return behaviour log-probs (old_per_token_logps) for a stage with µ > 1."
@@ -433,43 +433,6 @@ class MuGRPOTrainer(GRPOVariantTrainer):
         metrics["mu_grpo/stage_tokens"].append(record["tokens"])
         metrics["mu_grpo/stage_sequences_per_s"].append(record["sequences_per_s"])
         return output
-
-    def _concat_rollouts(self, parts: list[dict]) -> dict:
-        """Concatenate the dict outputs of several rollout calls: prompts left-padded, completions right-padded."""
-        out = {}
-        for key in parts[0]:
-            values = [p.get(key) for p in parts]
-            if all(v is None for v in values):
-                out[key] = None
-                continue
-            if key in _UNCHUNKABLE_KEYS:
-                raise GRPOVariantsError(
-                    f"µ-GRPO cannot concatenate {key!r} across generation chunks (multimodal inputs); leave "
-                    "generation_chunk_prompts=None."
-                )
-            first = values[0]
-            if isinstance(first, list):
-                out[key] = [x for v in values for x in v]
-            elif first.dim() == 0:
-                if key != "num_items_in_batch":
-                    raise GRPOVariantsError(f"µ-GRPO: unexpected scalar {key!r} in a rollout output.")
-                out[key] = torch.stack(values).sum()  # tokens in the loss over the whole stage, all processes
-            elif first.dim() == 1 or all(v.shape[1:] == first.shape[1:] for v in values):
-                out[key] = torch.cat(values, dim=0)
-            else:
-                width = max(v.shape[1] for v in values)
-                left = key.startswith("prompt")
-                if key in ("prompt_ids", "completion_ids"):
-                    fill = self._tokenizer.pad_token_id
-                else:
-                    fill = 1 if key == "tool_mask" else 0
-                padded = []
-                for v in values:
-                    extra = width - v.shape[1]
-                    pad = torch.full((v.shape[0], extra, *v.shape[2:]), fill, dtype=v.dtype, device=v.device)
-                    padded.append(torch.cat([pad, v] if left else [v, pad], dim=1))
-                out[key] = torch.cat(padded, dim=0)
-        return out
 
     def _release_generation_memory(self) -> None:
         """Free what generation held before the stage's updates: colocated vLLM asleep, gc, CUDA cache."""
