@@ -390,7 +390,7 @@ class DynamicSamplingMixin:
         return out
 
     def _assemble(self, parts: list[dict]) -> dict:
-        """Concatenate the kept rows of every part (padding each to the widest on dim 1, :mod:`grpo_variants.rollout_batch`)."""
+        """Concatenate the kept rows of every part, each padded to the widest on dim 1 (:func:`cat_rows`)."""
         pad_id = self._tokenizer.pad_token_id
         needed_rows = self.args.generation_batch_size
         full = {}

@@ -42,6 +42,7 @@ from grpo_variants.rewards.columns import check_reward_columns
 from grpo_variants.rollout_batch import FORWARD_KEYS as _FORWARD_KEYS
 from grpo_variants.rollout_logprobs import SampledLogprobRecorder
 from grpo_variants.sampling import DynamicSamplingMixin
+from grpo_variants.stages import StageRolloutMixin
 from grpo_variants.validation import _HUB_ID, check_dataset, check_model_path, resolve_reward_funcs  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ def model_card_section(args, spec, title: str, paper_id: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # The trainer
 # ------------------------------------------------------------------------------------------------
-class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
+class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics, GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss is composed from :mod:`grpo_variants.losses` by the config.
 
     Drop-in for TRL's trainer: same constructor, same config fields (plus ours). Variants subclass
@@ -197,6 +198,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
             )
         self._check_args(args)
         self._init_dynamic_sampling(args, train_dataset)
+        self._init_stages()
         check_reward_columns(reward_funcs, train_dataset, "train_dataset")  # before any generation
         reward_funcs = self._wrap_rewards(reward_funcs, args)
         # Phase timers and token counters (see `_timed` and `_record_generated_tokens`).
@@ -228,6 +230,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
             peft_config=peft_config,
             **kwargs,
         )
+        self._check_stage_dataset()
         self.loss_spec = self._build_loss_spec()
         self._check_dynamic_sampling_metric()
         self._record_rollout_logprobs = self._rollout_logprobs_supported()
@@ -277,11 +280,12 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
                 "kl_in_reward=True needs multi_objective_aggregation='sum_then_normalize' (the KL is subtracted "
                 "from the weighted reward sum before the group normalisation)."
             )
-        if args.dynamic_sampling and self._overrides_rollout():
+        if args.dynamic_sampling and (self._overrides_rollout() or getattr(args, "stage_prompts", None) is not None):
+            what = (f"{type(self).__name__} rewrites the rollout itself" if self._overrides_rollout()
+                    else f"stage_prompts={args.stage_prompts} makes it a stage rollout (grpo_variants.stages)")
             raise ConfigError(
                 f"dynamic_sampling=True composes with variants that keep TRL's rollout (grpo, dr_grpo, gspo, "
-                f"gspo_token, dapo, fipo); {type(self).__name__} rewrites the rollout itself. Set "
-                "dynamic_sampling=False."
+                f"gspo_token, dapo, fipo); {what}. Set dynamic_sampling=False."
             )
         if self.variant_name is not None:
             if args.use_adaptive_entropy:
@@ -292,7 +296,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
 
     @classmethod
     def _overrides_rollout(cls) -> bool:
-        """Whether a subclass replaces the rollout (iGRPO, µ-GRPO): dynamic sampling cannot wrap it then."""
+        """Whether a subclass replaces the rollout (iGRPO): dynamic sampling cannot wrap it then."""
         own = GRPOVariantTrainer._generate_and_score_completions
         return cls._generate_and_score_completions is not own
 
@@ -355,6 +359,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
             "completions_generated_total": self._completions_generated_total,
             "kept_fraction": self._kept_fraction,
             **self._dynamic_sampling_state(),
+            **self._stage_state(),
         }
 
     def load_variant_state_dict(self, state: dict) -> None:
@@ -365,6 +370,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
         self._completions_generated_total = state.get("completions_generated_total", 0)
         self._kept_fraction = state.get("kept_fraction", 1.0)
         self._load_dynamic_sampling_state(state)
+        self._load_stage_state(state)
 
     def _issue_warnings_after_load(self, load_result) -> None:
         """transformers' check, without its warning when the only missing keys are tied weights (a model
@@ -537,9 +543,11 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
         return rewards
 
     def _generate_and_score_completions(self, inputs):
-        """One training rollout: TRL's (:meth:`_scored_rollout`), or dynamic sampling's loop over it."""
+        """One training rollout: TRL's (:meth:`_scored_rollout`), or dynamic sampling's or a stage's loop over it."""
         if self.model.training and self.args.dynamic_sampling:
             return self._dynamic_sampling_rollout(inputs)
+        if self.model.training and self.stages_enabled:
+            return self._stage_rollout(inputs)
         return self._scored_rollout(inputs)
 
     def _scored_rollout(self, inputs):
@@ -689,6 +697,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
 
     # ---- the loss ----------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
+        self._log_stage_staleness(inputs)  # rows of a stage rollout (grpo_variants.stages)
         if self.loss_spec is None:
             return super()._compute_loss(model, inputs)
         spec = self.loss_spec
