@@ -33,6 +33,7 @@ import torch
 from accelerate.utils import send_to_device
 from trl import GRPOConfig, GRPOTrainer
 
+from grpo_variants.adaptive_clip import adapted_loss_spec
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
 from grpo_variants.loader import RepeatedFetchCache, RowBatch
@@ -720,6 +721,11 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         old_per_token_logps = inputs.get("old_per_token_logps")
         if old_per_token_logps is None:
             old_per_token_logps = per_token_logps.detach()
+        if mode == "train" and self.args.adaptive_clip_target is not None:  # grpo_variants.adaptive_clip
+            spec, bounds = adapted_loss_spec(spec, per_token_logps, old_per_token_logps, inputs["advantages"], mask,
+                                             self.args)
+            self._metrics[mode]["adaptive_clip/low"].append(bounds.lower)
+            self._metrics[mode]["adaptive_clip/high"].append(bounds.upper)
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
