@@ -661,9 +661,10 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
     def _count_update_tokens(self) -> None:
         """Store on every buffered micro-batch the loss-mask tokens of its optimizer update (``num_items_in_update``).
 
-        Only for ``aggregation="token_mean"`` (the spec's token mean over each update's optimisation batch). An
-        update is ``gradient_accumulation_steps`` consecutive micro-batches of the rollout's buffer (TRL serves
-        buffer slot ``step % steps_per_generation``); the local counts are summed over processes in one reduce.
+        Only for ``aggregation="token_mean"`` (the token mean over each update's optimisation batch,
+        docs/algorithms.md, "Aggregation"). An update is ``gradient_accumulation_steps`` consecutive micro-batches
+        of the rollout's buffer (TRL serves buffer slot ``step % steps_per_generation``); the local counts are
+        summed over processes in one reduce.
         When ``steps_per_generation`` is not a multiple of ``gradient_accumulation_steps`` an update straddles two
         rollouts and TRL's rollout-average normaliser is kept.
         """
