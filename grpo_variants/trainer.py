@@ -8,8 +8,10 @@ The trainer wraps TRL rather than copying it:
   (cispo, sapo, vespo, luspo) and for TRL options we do not re-implement (adaptive entropy,
   bias-corrected KL) it defers to ``super()._compute_loss``: with no variant chosen, the trainer
   behaves exactly like TRL's.
-* Rollouts go through ``super()._generate_and_score_completions``; variants filter, extend or
-  re-weight what it returns (DAPO drops groups, iGRPO rewrites prompts, µ-GRPO buffers stages).
+* Rollouts go through ``super()._generate_and_score_completions``; variants and the rollout components
+  filter, extend or re-weight what it returns: dynamic sampling drops groups (:mod:`grpo_variants.sampling`),
+  a stage buffers a large rollout (:mod:`grpo_variants.stages`), the two-stage rollout rewrites prompts
+  from drafts (:mod:`grpo_variants.two_stage`).
 * Inputs are checked at construction (:mod:`grpo_variants.validation`); reward functions are resolved by
   name and wrapped with clear errors (TRL's batch, no time limit by default).
 * Every step logs clip/veto/FIPO fractions, the useful-token fraction and per-phase timings
@@ -50,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 # Kept importable from here (their home was this module): the construction checks, the loader cache.
 _RepeatedFetchCache, _RowBatch = RepeatedFetchCache, RowBatch
-
 
 
 # ------------------------------------------------------------------------------------------------

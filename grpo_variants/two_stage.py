@@ -92,6 +92,11 @@ class TwoStageRolloutMixin:
 
     def _check_args(self, args) -> None:
         super()._check_args(args)
+        if not isinstance(getattr(args, "num_drafts", None), int):
+            raise ConfigError(
+                f"{type(self).__name__} runs a two-stage rollout and needs a config with an integer num_drafts (drafts "
+                f"per prompt); {type(args).__name__} has num_drafts={getattr(args, 'num_drafts', None)!r}."
+            )
         if getattr(args, "stage_prompts", None) is not None:
             raise ConfigError(
                 f"{type(self).__name__} runs a two-stage (draft -> rewrite) rollout, which does not compose with "

@@ -74,3 +74,12 @@ def test_two_stage_refuses_a_stage_rollout(toy_model_path, small_train_dataset, 
     with pytest.raises(ConfigError, match="does not compose with stage rollouts"):
         _AllDraftsTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=args,
                           train_dataset=small_train_dataset)
+
+
+def test_two_stage_needs_num_drafts_on_its_config(toy_model_path, small_train_dataset, make_args):
+    class NoDrafts(_AllDraftsTrainer):
+        config_class = GRPOVariantConfig
+
+    with pytest.raises(ConfigError, match="needs a config with an integer num_drafts"):
+        NoDrafts(model=toy_model_path, reward_funcs="toy_accuracy", args=make_args(GRPOVariantConfig),
+                 train_dataset=small_train_dataset)
