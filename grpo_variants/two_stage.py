@@ -14,6 +14,10 @@ and whose config has ``num_drafts`` gets, at every training rollout:
 3. **The trained stage**: ``super()._generate_and_score_completions`` (TRL's rollout) on the rewritten
    rows; its output is what is trained. Drafts never reach the loss.
 
+A rewrite by template: :func:`render_draft_prompt` formats a string prompt with ``template.format(prompt=q,
+draft=d)`` and rewrites the last user message of a conversational one; :func:`validate_draft_template`
+checks a template at construction (exactly the fields ``{prompt}`` and ``{draft}``).
+
 Evaluation stays single-shot (in eval mode the rollout is the base trainer's). Bookkeeping: TRL's
 ``completions/*`` metrics describe the trained completions, so the drafts' entries are moved under
 ``<draft_metric_prefix>/draft_completions/*`` and their reward-side logs under ``<prefix>/draft/*``
@@ -24,6 +28,7 @@ it and are refused at construction.
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +36,8 @@ from accelerate.utils import gather_object
 
 from grpo_variants.errors import ConfigError, DatasetError
 
-__all__ = ["Drafts", "TwoStageRolloutMixin", "draft_plan", "draft_text"]
+__all__ = ["Drafts", "TwoStageRolloutMixin", "draft_plan", "draft_text", "render_draft_prompt",
+           "validate_draft_template"]
 
 
 def draft_text(completion) -> str:
@@ -47,6 +53,46 @@ def draft_text(completion) -> str:
             parts.append(content if isinstance(content, str) else str(content))
         return "".join(parts)
     return str(completion)
+
+
+def validate_draft_template(template: str) -> None:
+    """A template must be a format string whose only fields are ``{prompt}`` and ``{draft}`` (both)."""
+    if not isinstance(template, str):
+        raise ConfigError(f"draft_template must be a string, got {type(template).__name__}.")
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as err:
+        raise ConfigError(
+            f"draft_template {template!r} is not a valid format string ({err}). Write literal braces as '{{{{' "
+            "and '}}}}'."
+        ) from err
+    if names != {"prompt", "draft"}:
+        raise ConfigError(
+            f"draft_template must contain exactly the fields {{prompt}} and {{draft}}; {template!r} has "
+            f"{sorted(names) or 'none'}. Example: '{{prompt}}\\n\\nPrevious attempt:\\n{{draft}}\\n\\nImprove it.'"
+        )
+
+
+def render_draft_prompt(prompt, draft: str, template: str):
+    """q' = template(q, d). A string prompt is formatted directly; a conversation gets its last user
+    message's content rewritten (other messages untouched). Returns a new object, never mutates ``prompt``."""
+    if isinstance(prompt, str):
+        return template.format(prompt=prompt, draft=draft)
+    if isinstance(prompt, list):
+        for index in range(len(prompt) - 1, -1, -1):
+            message = prompt[index]
+            if isinstance(message, dict) and message.get("role") == "user":
+                if not isinstance(message.get("content"), str):
+                    raise DatasetError(
+                        "the two-stage rollout rewrites the last user message of a conversational prompt with "
+                        "draft_template, but its content is not a plain string (multimodal content blocks are not "
+                        "supported)."
+                    )
+                rewritten = {**message, "content": template.format(prompt=message["content"], draft=draft)}
+                return [*prompt[:index], rewritten, *prompt[index + 1 :]]
+        raise DatasetError("a draft template needs a user message in every conversational prompt to insert the draft "
+                           "into.")
+    raise DatasetError(f"cannot insert a draft into a prompt of type {type(prompt).__name__}.")
 
 
 def draft_plan(num_prompts: int, num_drafts: int, num_processes: int, process_index: int) -> list[int]:

@@ -18,9 +18,9 @@ Paper defaults: beta = 0, lr 1e-6 with a cosine schedule, temperature 0.7 (both 
 The two stages are the two-stage rollout component, :mod:`grpo_variants.two_stage` (drafts for the
 unique prompts of the global batch, split evenly over processes and generated in lock-step, scored with
 TRL's own ``_generate`` / ``_calculate_rewards``, then TRL's rollout on the rewritten rows; nothing of
-TRL's rollout is copied). This file adds the paper's choices: which draft is kept
-(:func:`select_best_drafts`), how it enters the prompt (:func:`render_draft_prompt`), the defaults and
-the metrics below.
+TRL's rollout is copied), with its template helpers (:func:`~grpo_variants.two_stage.render_draft_prompt`,
+:func:`~grpo_variants.two_stage.validate_draft_template`). This file adds the paper's choices: which draft
+is kept (:func:`select_best_drafts`), the template, the defaults and the metrics below.
 
 Templates. String prompts: ``draft_template.format(prompt=q, draft=d)``. Conversational prompts:
 the content of the *last user message* is rewritten with the same template (the other messages are
@@ -44,16 +44,22 @@ indices and texts, for inspection.
 
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass, field
 
 import torch
 
 from grpo_variants.config import GRPOVariantConfig
-from grpo_variants.errors import ConfigError, DatasetError
+from grpo_variants.errors import ConfigError
 from grpo_variants.registry import register_variant
 from grpo_variants.trainer import GRPOVariantTrainer
-from grpo_variants.two_stage import Drafts, TwoStageRolloutMixin, draft_plan, draft_text  # noqa: F401
+from grpo_variants.two_stage import (  # noqa: F401  (draft_plan, draft_text: importable from here)
+    Drafts,
+    TwoStageRolloutMixin,
+    draft_plan,
+    draft_text,
+    render_draft_prompt,
+    validate_draft_template,
+)
 
 __all__ = ["DEFAULT_DRAFT_TEMPLATE", "TOY_DRAFT_TEMPLATE", "IGRPOConfig", "IGRPOTrainer", "draft_plan",
            "draft_text", "render_draft_prompt", "select_best_drafts", "validate_draft_template"]
@@ -67,46 +73,8 @@ TOY_DRAFT_TEMPLATE = "{prompt}({draft}){prompt}"  # toy kit: "37+45=" + "82" -> 
 
 
 # ------------------------------------------------------------------------------------------------
-# Pure helpers (unit-tested on their own; draft_text and draft_plan live in grpo_variants.two_stage)
+# The paper's selection rule (pure, unit-tested); the template helpers live in grpo_variants.two_stage
 # ------------------------------------------------------------------------------------------------
-def validate_draft_template(template: str) -> None:
-    """A template must be a format string whose only fields are ``{prompt}`` and ``{draft}`` (both)."""
-    if not isinstance(template, str):
-        raise ConfigError(f"draft_template must be a string, got {type(template).__name__}.")
-    try:
-        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-    except ValueError as err:
-        raise ConfigError(
-            f"draft_template {template!r} is not a valid format string ({err}). Write literal braces as '{{{{' "
-            "and '}}}}'."
-        ) from err
-    if names != {"prompt", "draft"}:
-        raise ConfigError(
-            f"draft_template must contain exactly the fields {{prompt}} and {{draft}}; {template!r} has "
-            f"{sorted(names) or 'none'}. Example: '{{prompt}}\\n\\nPrevious attempt:\\n{{draft}}\\n\\nImprove it.'"
-        )
-
-
-def render_draft_prompt(prompt, draft: str, template: str):
-    """q' = template(q, d). A string prompt is formatted directly; a conversation gets its last user
-    message's content rewritten (other messages untouched). Returns a new object, never mutates ``prompt``."""
-    if isinstance(prompt, str):
-        return template.format(prompt=prompt, draft=draft)
-    if isinstance(prompt, list):
-        for index in range(len(prompt) - 1, -1, -1):
-            message = prompt[index]
-            if isinstance(message, dict) and message.get("role") == "user":
-                if not isinstance(message.get("content"), str):
-                    raise DatasetError(
-                        "iGRPO rewrites the last user message of a conversational prompt with draft_template, but "
-                        "its content is not a plain string (multimodal content blocks are not supported)."
-                    )
-                rewritten = {**message, "content": template.format(prompt=message["content"], draft=draft)}
-                return [*prompt[:index], rewritten, *prompt[index + 1 :]]
-        raise DatasetError("iGRPO needs a user message in every conversational prompt to insert the draft into.")
-    raise DatasetError(f"iGRPO cannot insert a draft into a prompt of type {type(prompt).__name__}.")
-
-
 def select_best_drafts(rewards: torch.Tensor, num_drafts: int) -> torch.Tensor:
     """Index of the best draft of each prompt.
 
