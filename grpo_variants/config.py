@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig
 
+from grpo_variants.adaptive_clip import check_adaptive_clip_composition, check_adaptive_clip_fields
 from grpo_variants.errors import ConfigError
 from grpo_variants.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
+from grpo_variants.stages import derive_stage, take_over_batch_fields
 
 # TRL loss_type -> our aggregation name (the loss types whose policy term we compose ourselves)
 TRL_LOSS_TYPE_TO_AGGREGATION = {
@@ -151,6 +153,44 @@ class GRPOVariantConfig(GRPOConfig):
     dynamic_sampling_correct_threshold: float = field(
         default=0.0, metadata={"help": "Band-pass: a completion counts as correct when its value is > this."}
     )
+    # ---- stage rollouts (grpo_variants.stages; any variant) ----------------------------------
+    stage_prompts: int | None = field(
+        default=None,
+        metadata={"help": "Stage rollouts (µ-GRPO's stages, any variant): prompts sampled per stage (all processes "
+                  "together), each with num_generations completions, reused for updates_per_stage updates. "
+                  "None: no stage (TRL's rollout per generation batch)."},
+    )
+    updates_per_stage: int | None = field(
+        default=None, metadata={"help": "µ: optimizer updates per stage (per rollout refresh); 1 = on-policy."}
+    )
+    num_stages: int | None = field(
+        default=None, metadata={"help": "If set, max_steps = num_stages x updates_per_stage."}
+    )
+    generation_chunk_prompts: int | None = field(
+        default=None,
+        metadata={
+            "help": "Prompts per generation call on each process (memory bound for HF generate); None = the whole "
+            "local stage in one call (recommended with vLLM, whose scheduler batches internally)."
+        },
+    )
+    release_generation_memory: bool = field(
+        default=True,
+        metadata={"help": "After a stage's rollout: keep colocated vLLM asleep; with CUDA, gc + empty the cache."},
+    )
+    # ---- adaptive trust region (grpo_variants.adaptive_clip; any variant with token ratios) --------
+    adaptive_clip_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "If set (in (0, 0.5)), the clip bounds are re-chosen at every update from the current policy's "
+            "ratios so that this fraction of the A<0 tokens is low-clipped and of the A>0 tokens high-clipped "
+            "(losses.adaptive_clip_bounds), within the ranges below; None = the fixed bounds."
+        },
+    )
+    adaptive_clip_lower_min: float = field(default=0.0, metadata={"help": "Widest adaptive lower ratio bound."})
+    adaptive_clip_lower_max: float = field(default=0.8, metadata={"help": "Tightest adaptive lower ratio bound."})
+    adaptive_clip_upper_min: float = field(default=1.2, metadata={"help": "Tightest adaptive upper ratio bound."})
+    adaptive_clip_upper_max: float = field(default=5.0, metadata={"help": "Widest adaptive upper ratio bound."})
+
     # ---- rewards ---------------------------------------------------------------------------
     reward_timeout: float | None = field(
         default=None,
@@ -212,6 +252,8 @@ class GRPOVariantConfig(GRPOConfig):
 
     def __post_init__(self):
         self._checkpointing_under_its_new_name()
+        stage_request = take_over_batch_fields(self)  # None without stage rollouts
+        check_adaptive_clip_fields(self)
         no_cuda = not torch.cuda.is_available()
         if self.bf16 is None and no_cuda and not self.fp16:
             self.bf16 = False
@@ -233,6 +275,9 @@ class GRPOVariantConfig(GRPOConfig):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         self._validate_variant_fields()
+        if stage_request is not None:
+            derive_stage(self, stage_request)  # TRL's batch fields from the stage (grpo_variants.stages)
+        check_adaptive_clip_composition(self)
 
     def _checkpointing_under_its_new_name(self) -> None:
         """transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns when only the old
@@ -437,6 +482,12 @@ class GRPOVariantConfig(GRPOConfig):
         if self.aggregation is not None:
             return self.aggregation
         return TRL_LOSS_TYPE_TO_AGGREGATION.get(self.loss_type)
+
+    @property
+    def adaptive_clip_ranges(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(lower_range, upper_range) for :func:`grpo_variants.losses.adaptive_clip_bounds`."""
+        return ((self.adaptive_clip_lower_min, self.adaptive_clip_lower_max),
+                (self.adaptive_clip_upper_min, self.adaptive_clip_upper_max))
 
     @property
     def resolved_ratio_level(self) -> str:

@@ -58,11 +58,9 @@ from trl.trainer.utils import RepeatSampler
 
 from grpo_variants.config import DYNAMIC_SAMPLING_FILTERS
 from grpo_variants.errors import ConfigError, DynamicSamplingError
+from grpo_variants.rollout_batch import LEFT_PADDED, cat_rows, pad_value
 
 __all__ = ["DynamicSamplingInfo", "DynamicSamplingMixin", "select_groups"]
-
-# Rollout fields and how they are padded on the sequence dimension when rows are gathered.
-_LEFT_PADDED = ("prompt_ids", "prompt_mask")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,34 +382,23 @@ class DynamicSamplingMixin:
                 )
             if accelerator.num_processes > 1:
                 if value.dim() >= 2:
-                    pad_index = pad_id if key in ("prompt_ids", "completion_ids") else 1 if key == "tool_mask" else 0
                     value = accelerator.pad_across_processes(
-                        value.contiguous(), dim=1, pad_index=pad_index, pad_first=key in _LEFT_PADDED
+                        value.contiguous(), dim=1, pad_index=pad_value(key, pad_id), pad_first=key in LEFT_PADDED
                     )
                 value = accelerator.gather(value.contiguous())
             out[key] = value[rows.to(value.device)].cpu()
         return out
 
     def _assemble(self, parts: list[dict]) -> dict:
-        """Concatenate the kept rows of every part (padding each to the widest on dim 1)."""
+        """Concatenate the kept rows of every part, each padded to the widest on dim 1 (:func:`cat_rows`)."""
         pad_id = self._tokenizer.pad_token_id
         needed_rows = self.args.generation_batch_size
         full = {}
         for key in parts[0]:
             tensors = [p[key] for p in parts]
-            if key not in ("values",) and tensors[0].dim() >= 2:
-                width = max(t.size(1) for t in tensors)
-                pad_value = pad_id if key in ("prompt_ids", "completion_ids") else 1 if key == "tool_mask" else 0
-                padded = []
-                for t in tensors:
-                    extra = width - t.size(1)
-                    if extra:
-                        filler = t.new_full((t.size(0), extra, *t.shape[2:]), pad_value)
-                        t = torch.cat([filler, t] if key in _LEFT_PADDED else [t, filler], dim=1)
-                    padded.append(t)
-                tensors = padded
+            merged = torch.cat(tensors, dim=0) if key == "values" else cat_rows(tensors, key, pad_id)
             rows = needed_rows // self.num_generations if key == "values" else needed_rows
-            full[key] = torch.cat(tensors, dim=0)[:rows]
+            full[key] = merged[:rows]
         return full
 
     def _local_slice(self, full: dict, local: int) -> dict:
@@ -433,7 +420,7 @@ class DynamicSamplingMixin:
         keep_completion = int(used[-1]) + 1 if used.numel() else 1
         keep_completion = min(completion_width, -(-keep_completion // multiple) * multiple)
         for key, value in out.items():
-            if key in _LEFT_PADDED:
+            if key in LEFT_PADDED:
                 value = value[:, prompt_width - keep_prompt :]
             elif value.dim() >= 2 and value.size(1) == completion_width:
                 value = value[:, :keep_completion]

@@ -8,8 +8,10 @@ The trainer wraps TRL rather than copying it:
   (cispo, sapo, vespo, luspo) and for TRL options we do not re-implement (adaptive entropy,
   bias-corrected KL) it defers to ``super()._compute_loss``: with no variant chosen, the trainer
   behaves exactly like TRL's.
-* Rollouts go through ``super()._generate_and_score_completions``; variants filter, extend or
-  re-weight what it returns (DAPO drops groups, iGRPO rewrites prompts, µ-GRPO buffers stages).
+* Rollouts go through ``super()._generate_and_score_completions``; variants and the rollout components
+  filter, extend or re-weight what it returns: dynamic sampling drops groups (:mod:`grpo_variants.sampling`),
+  a stage buffers a large rollout (:mod:`grpo_variants.stages`), the two-stage rollout rewrites prompts
+  from drafts (:mod:`grpo_variants.two_stage`).
 * Inputs are checked at construction (:mod:`grpo_variants.validation`); reward functions are resolved by
   name and wrapped with clear errors (TRL's batch, no time limit by default).
 * Every step logs clip/veto/FIPO fractions, the useful-token fraction and per-phase timings
@@ -33,14 +35,17 @@ import torch
 from accelerate.utils import send_to_device
 from trl import GRPOConfig, GRPOTrainer
 
+from grpo_variants.adaptive_clip import adapted_loss_spec
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
 from grpo_variants.loader import RepeatedFetchCache, RowBatch
 from grpo_variants.losses import LossSpec, compute_policy_loss
 from grpo_variants.metrics import TrainerMetrics
 from grpo_variants.rewards.columns import check_reward_columns
+from grpo_variants.rollout_batch import FORWARD_KEYS as _FORWARD_KEYS
 from grpo_variants.rollout_logprobs import SampledLogprobRecorder
 from grpo_variants.sampling import DynamicSamplingMixin
+from grpo_variants.stages import StageRolloutMixin
 from grpo_variants.validation import (  # noqa: F401  (re-exported: the checks were importable from here)
     _HUB_ID,
     check_dataset,
@@ -53,20 +58,6 @@ logger = logging.getLogger(__name__)
 
 # Kept importable from here (their home was this module): the construction checks, the loader cache.
 _RepeatedFetchCache, _RowBatch = RepeatedFetchCache, RowBatch
-
-# Inputs TRL forwards to the model for multimodal batches; passed through untouched.
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,7 +167,7 @@ def model_card_section(args, spec, title: str, paper_id: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # The trainer
 # ------------------------------------------------------------------------------------------------
-class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
+class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics, GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss is composed from :mod:`grpo_variants.losses` by the config.
 
     Drop-in for TRL's trainer: same constructor, same config fields (plus ours). Variants subclass
@@ -216,6 +207,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
         self._check_args(args)
         check_prompts_per_round(train_dataset, args)
         self._init_dynamic_sampling(args, train_dataset)
+        self._init_stages()
         check_reward_columns(reward_funcs, train_dataset, "train_dataset")  # before any generation
         reward_funcs = self._wrap_rewards(reward_funcs, args)
         # Phase timers and token counters (see `_timed` and `_record_generated_tokens`).
@@ -247,6 +239,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
             peft_config=peft_config,
             **kwargs,
         )
+        self._check_stage_dataset()
         self.loss_spec = self._build_loss_spec()
         self._check_dynamic_sampling_metric()
         self._record_rollout_logprobs = self._rollout_logprobs_supported()
@@ -296,11 +289,12 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
                 "kl_in_reward=True needs multi_objective_aggregation='sum_then_normalize' (the KL is subtracted "
                 "from the weighted reward sum before the group normalisation)."
             )
-        if args.dynamic_sampling and self._overrides_rollout():
+        if args.dynamic_sampling and (self._overrides_rollout() or getattr(args, "stage_prompts", None) is not None):
+            what = (f"{type(self).__name__} rewrites the rollout itself" if self._overrides_rollout()
+                    else f"stage_prompts={args.stage_prompts} makes it a stage rollout (grpo_variants.stages)")
             raise ConfigError(
                 f"dynamic_sampling=True composes with variants that keep TRL's rollout (grpo, dr_grpo, gspo, "
-                f"gspo_token, dapo, fipo); {type(self).__name__} rewrites the rollout itself. Set "
-                "dynamic_sampling=False."
+                f"gspo_token, dapo, fipo); {what}. Set dynamic_sampling=False."
             )
         if self.variant_name is not None:
             if args.use_adaptive_entropy:
@@ -311,7 +305,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
 
     @classmethod
     def _overrides_rollout(cls) -> bool:
-        """Whether a subclass replaces the rollout (iGRPO, µ-GRPO): dynamic sampling cannot wrap it then."""
+        """Whether a subclass replaces the rollout (iGRPO): dynamic sampling cannot wrap it then."""
         own = GRPOVariantTrainer._generate_and_score_completions
         return cls._generate_and_score_completions is not own
 
@@ -374,6 +368,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
             "completions_generated_total": self._completions_generated_total,
             "kept_fraction": self._kept_fraction,
             **self._dynamic_sampling_state(),
+            **self._stage_state(),
         }
 
     def load_variant_state_dict(self, state: dict) -> None:
@@ -384,6 +379,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
         self._completions_generated_total = state.get("completions_generated_total", 0)
         self._kept_fraction = state.get("kept_fraction", 1.0)
         self._load_dynamic_sampling_state(state)
+        self._load_stage_state(state)
 
     def _issue_warnings_after_load(self, load_result) -> None:
         """transformers' check, without its warning when the only missing keys are tied weights (a model
@@ -556,9 +552,11 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
         return rewards
 
     def _generate_and_score_completions(self, inputs):
-        """One training rollout: TRL's (:meth:`_scored_rollout`), or dynamic sampling's loop over it."""
+        """One training rollout: TRL's (:meth:`_scored_rollout`), or dynamic sampling's or a stage's loop over it."""
         if self.model.training and self.args.dynamic_sampling:
             return self._dynamic_sampling_rollout(inputs)
+        if self.model.training and self.stages_enabled:
+            return self._stage_rollout(inputs)
         return self._scored_rollout(inputs)
 
     def _scored_rollout(self, inputs):
@@ -671,9 +669,10 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
     def _count_update_tokens(self) -> None:
         """Store on every buffered micro-batch the loss-mask tokens of its optimizer update (``num_items_in_update``).
 
-        Only for ``aggregation="token_mean"`` (the spec's token mean over each update's optimisation batch). An
-        update is ``gradient_accumulation_steps`` consecutive micro-batches of the rollout's buffer (TRL serves
-        buffer slot ``step % steps_per_generation``); the local counts are summed over processes in one reduce.
+        Only for ``aggregation="token_mean"`` (the token mean over each update's optimisation batch,
+        docs/algorithms.md, "Aggregation"). An update is ``gradient_accumulation_steps`` consecutive micro-batches
+        of the rollout's buffer (TRL serves buffer slot ``step % steps_per_generation``); the local counts are
+        summed over processes in one reduce.
         When ``steps_per_generation`` is not a multiple of ``gradient_accumulation_steps`` an update straddles two
         rollouts and TRL's rollout-average normaliser is kept.
         """
@@ -708,6 +707,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
 
     # ---- the loss ----------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
+        self._log_stage_staleness(inputs)  # rows of a stage rollout (grpo_variants.stages)
         if self.loss_spec is None:
             return super()._compute_loss(model, inputs)
         spec = self.loss_spec
@@ -730,6 +730,11 @@ class GRPOVariantTrainer(DynamicSamplingMixin, TrainerMetrics, GRPOTrainer):
         old_per_token_logps = inputs.get("old_per_token_logps")
         if old_per_token_logps is None:
             old_per_token_logps = per_token_logps.detach()
+        if mode == "train" and self.args.adaptive_clip_target is not None:  # grpo_variants.adaptive_clip
+            spec, bounds = adapted_loss_spec(spec, per_token_logps, old_per_token_logps, inputs["advantages"], mask,
+                                             self.args)
+            self._metrics[mode]["adaptive_clip/low"].append(bounds.lower)
+            self._metrics[mode]["adaptive_clip/high"].append(bounds.upper)
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)

@@ -166,8 +166,10 @@ def batching_defaults(recipe_values: dict, config_cls, argv: list[str], samples_
         out["gradient_accumulation_steps"] = accumulation
     accumulation = accumulation or recipe_values.get("gradient_accumulation_steps", 1)
     if updates_per_rollout is not None:
-        names = {f.name for f in dataclasses.fields(config_cls)}
-        if "updates_per_stage" in names:  # µ-GRPO: µ = updates per rollout; it derives steps_per_generation
+        fields = {f.name: f for f in dataclasses.fields(config_cls)}
+        names = set(fields)
+        stage = recipe_values.get("stage_prompts", getattr(fields.get("stage_prompts"), "default", None))
+        if stage is not None:  # a stage rollout (µ-GRPO): µ = updates per rollout; it derives steps_per_generation
             out["updates_per_stage"] = updates_per_rollout
         elif "mini_batches_per_rollout" in names:  # every other variant (a base config field)
             out["mini_batches_per_rollout"] = updates_per_rollout

@@ -179,3 +179,23 @@ def test_short_toy_run_logs_bounds(toy_model_path, small_train_dataset, make_arg
     assert all(0.0 <= x <= 0.8 for x in low) and all(1.2 <= x <= 5.0 for x in high)
     # The stage's first update: the policy is the behaviour policy (ratios 1 up to float noise) -> tightest.
     assert (low[0], high[0]) == pytest.approx((0.8, 1.2))
+
+
+# ---- a component of every variant with token ratios -------------------------------------------------
+def test_plain_grpo_composes_the_adaptive_trust_region(toy_model_path, small_train_dataset, make_args, monkeypatch):
+    """GRPO (clip 0.2, no stage) with two updates per rollout: the bounds in force are the rule's, per update."""
+    from grpo_variants import GRPOVariantConfig, GRPOVariantTrainer
+
+    captured = _capture(monkeypatch)
+    args = make_args(GRPOVariantConfig, max_steps=2, num_iterations=2, adaptive_clip_target=0.1)
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=args,
+                                 train_dataset=small_train_dataset)
+    trainer.train()
+    assert len(captured) == 2
+    for call in captured:
+        expected = adaptive_clip_bounds(torch.exp(call["logp"] - call["old"]), call["adv"], call["mask"], 0.1)
+        assert call["eps"] == (1.0 - expected.lower, expected.upper - 1.0)
+    assert captured[0]["eps"] == pytest.approx((0.2, 0.2))  # first update: ratios 1 -> PPO's bounds
+    assert (trainer.loss_spec.eps_low, trainer.loss_spec.eps_high) == (0.2, 0.2)  # the fixed bounds stay
+    with pytest.raises(ConfigError, match="ratio level is 'sequence'"):
+        make_args(GRPOVariantConfig, adaptive_clip_target=0.1, importance_sampling_level="sequence")

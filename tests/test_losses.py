@@ -282,7 +282,7 @@ def test_aggregation_edge_cases():
     for mode in ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum"):
         close(aggregate(t([[5.0, 99.0, 99.0]]), one, mode), 5.0)
     # a (B, 1) sequence-level loss: seq_mean_token_mean gives the per-sequence value (GSPO), token sums weight
-    # by length (the pitfall the spec warns about)
+    # by length (the pitfall docs/algorithms.md, "GSPO", warns about)
     seq = t([[2.0], [3.0]])
     m = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
     close(aggregate(seq, m, "seq_mean_token_mean"), 2.5)

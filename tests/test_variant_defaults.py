@@ -1,5 +1,5 @@
-"""Every variant's config defaults equal the paper's algorithm (the project spec's table), and the
-options a path cannot honour are refused at construction.
+"""Every variant's config defaults equal the paper's algorithm (docs/algorithms.md, each variant's defaults
+table), and the options a path cannot honour are refused at construction.
 
 The expected values are written out here, independently of the config classes: a default that drifts
 from the paper fails the variant's row.
@@ -16,7 +16,7 @@ from grpo_variants import ConfigError, GRPOVariantConfig, get_variant
 # What each paper / reference recipe computes (GRPO: DeepSeekMath; DAPO: paper + verl's recipe; Dr.GRPO;
 # GSPO; µ-GRPO; iGRPO; FIPO: DAPO's recipe plus its launcher). Derived names: advantage / ratio / aggregation
 # are the resolved building blocks; updates_per_rollout = steps_per_generation / gradient_accumulation_steps.
-SPEC = {
+PAPER_DEFAULTS = {
     "grpo": dict(advantage="group_std", ratio="token", aggregation="seq_mean_token_mean", epsilon=0.2,
                  epsilon_high=0.2, clip_ratio_c=None, beta=0.04, kl_estimator="k3", kl_in_reward=False,
                  use_bias_correction_kl=False, learning_rate=1e-6, updates_per_rollout=1, dynamic_sampling=False),
@@ -64,21 +64,21 @@ def _resolved(args, key):
     return value.value if hasattr(value, "value") else value  # enums (lr_scheduler_type)
 
 
-@pytest.mark.parametrize("variant", sorted(SPEC))
+@pytest.mark.parametrize("variant", sorted(PAPER_DEFAULTS))
 def test_defaults_equal_the_papers_algorithm(variant, tmp_path):
     spec = get_variant(variant)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # FIPO warns when on-policy; not with its defaults, but keep the test quiet
         args = spec.config_cls(output_dir=str(tmp_path), report_to="none", max_completion_length=20480)
-    got = {key: _resolved(args, key) for key in SPEC[variant]}
-    expected = {k: (pytest.approx(v) if isinstance(v, float) else v) for k, v in SPEC[variant].items()}
+    got = {key: _resolved(args, key) for key in PAPER_DEFAULTS[variant]}
+    expected = {k: (pytest.approx(v) if isinstance(v, float) else v) for k, v in PAPER_DEFAULTS[variant].items()}
     assert got == expected
 
 
-def test_every_registered_variant_has_a_spec_row():
+def test_every_registered_variant_has_a_defaults_row():
     from grpo_variants import list_variants
 
-    assert {spec.name for spec in list_variants()} <= set(SPEC)
+    assert {spec.name for spec in list_variants()} <= set(PAPER_DEFAULTS)
 
 
 def test_overridden_defaults_are_announced_in_one_line(tmp_path):

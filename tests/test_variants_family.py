@@ -1,7 +1,7 @@
 """GRPO, Dr.GRPO, GSPO, GSPO-token and FIPO: each loss equals its docs/algorithms.md formula, each trains.
 
 The formula tests build one micro-batch by hand, call ``trainer._compute_loss`` and compare the
-loss AND the parameter gradients with the spec's formula, written out here from the model's own
+loss AND the parameter gradients with the docs/algorithms.md formula, written out here from the model's own
 log-probs (a plain forward pass + log_softmax, not through grpo_variants or TRL code).
 """
 
