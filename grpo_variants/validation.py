@@ -85,6 +85,8 @@ def check_prompts_per_round(dataset, args) -> None:
         size = len(dataset)
     except TypeError:  # IterableDataset: its length is unknown until it is read
         return
+    if getattr(args, "stage_prompts", None):  # a stage rollout draws its own prompts and checks them itself
+        return
     batch, group = args.generation_batch_size, args.num_generations
     if not batch or not group:
         return
