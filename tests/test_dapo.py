@@ -149,7 +149,10 @@ def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_trai
         assert out["completion_ids"].size(0) == args.generation_batch_size == 16
         assert info.groups_needed == 4 and len(info.group_ids) == 4 and info.values.shape == (4, 4)
         assert bool((info.values.amax(dim=1) > info.values.amin(dim=1)).all())
-        assert info.groups_kept <= info.groups_generated == 4 * info.rounds
+        # the first round: the loader's 4 groups plus the top-up predicted from the running pass rate (none before
+        # any history); later rounds: top-ups sized to the deficit
+        assert info.groups_kept <= info.groups_generated == sum(info.round_groups) and len(info.round_groups) == info.rounds
+        assert info.round_groups[0] >= 4 and info.topup_groups == info.groups_generated - 4
         assert len(set(info.group_ids)) == 4
         # num_items_in_batch is the loss-mask token count of the final batch
         assert int(out["num_items_in_batch"]) == int(out["completion_mask"].sum())
@@ -175,7 +178,7 @@ def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_trai
     state = trainer.variant_state_dict()
     assert state["dynamic_sampling_rounds_total"] == rec.generate_calls
     stream = (state["dynamic_sampling_stream_epoch"], state["dynamic_sampling_stream_chunk"])
-    assert stream == (0, sum(i.rounds - 1 for _, i in rec.rollouts))
+    assert stream == (0, sum(i.rounds - 1 + (i.round_groups[0] > 4) for _, i in rec.rollouts))
 
 
 def test_retry_cap_raises_clear_error(toy_model_path, small_train_dataset, make_args):
@@ -273,7 +276,9 @@ def _three_of_four_groups_vary(prompts, completions, **kwargs):
 def test_surplus_groups_are_carried_with_their_behaviour_logprobs(toy_model_path, small_train_dataset, make_args):
     # grpo (not DAPO) with dynamic sampling on, on-policy (one update per rollout): 3 of 4 groups qualify per round
     spec = get_variant("grpo")
-    args = make_args(spec.config_cls, max_steps=3, dynamic_sampling=True, reward_cache=False)
+    # whole-batch top-ups (verl's rounds), so that a round's surplus is large enough to carry several groups
+    args = make_args(spec.config_cls, max_steps=3, dynamic_sampling=True, reward_cache=False,
+                     dynamic_sampling_topup="full")
     trainer = spec.trainer_cls(model=toy_model_path, reward_funcs=_three_of_four_groups_vary, args=args,
                                train_dataset=small_train_dataset)
     batches, carried = [], []
