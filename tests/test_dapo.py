@@ -350,6 +350,9 @@ def test_grpo_with_dynamic_sampling_resumes_exactly(toy_kit, tmp_path):
 
     saved = torch.load(ckpt / STATE_FILE.format(rank=0), weights_only=True)
     assert saved["variant"]["dynamic_sampling_carried"] is not None  # 1 group carried after step 2
+    qualified, generated = saved["variant"]["dynamic_sampling_pass_counts"]  # the running pass rate the top-ups use
+    assert 0 < qualified < generated
+    assert saved["variant"]["token_ledger"]["dropped_by_filter"] > 0
     second = spec.trainer_cls(model=toy_kit.model_path, reward_funcs=_three_of_four_groups_vary,
                               args=args(tmp_path / "b"), train_dataset=data)
     second.train(resume_from_checkpoint=str(ckpt))
@@ -359,6 +362,8 @@ def test_grpo_with_dynamic_sampling_resumes_exactly(toy_kit, tmp_path):
     ref = [keep(r) for r in first.state.log_history if "loss" in r and r["step"] > 2]
     res = [keep(r) for r in second.state.log_history if "loss" in r and r["step"] > 2]
     assert res == ref and len(res) == 2
+    assert all("dynamic_sampling/running_pass_rate" in r and "token_fate/useful" in r for r in res)
+    assert second.token_ledger() == first.token_ledger()
     for (name, p), (_, q) in zip(first.model.named_parameters(), second.model.named_parameters()):
         assert torch.equal(p, q), name
 
