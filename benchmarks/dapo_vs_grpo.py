@@ -218,6 +218,21 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
     fate_rows.append(("signal: reached an update with A != 0 (useful + clipped + other)",
                       *[f"{100 * summary[arm]['token_fractions']['signal']:.1f}%" for arm in arms]))
     r = summary["ratios"]
+    d = summary["dapo"]
+    gf, df = g["token_fractions"], d["token_fractions"]
+    clipped = df["clipped_dual"] + df["clipped_low"] + df["clipped_high"]
+    reading = (
+        f"Reading the ledger: GRPO trains the groups whose rewards are all equal with advantage 0 "
+        f"({pct(gf['zero_advantage'])} of its tokens; {pct(g['frac_reward_zero_std'])} of its groups), DAPO's filter "
+        f"drops them before the loss ({pct(df['dropped_by_filter'])} of its tokens; "
+        f"{pct(1 - d['dynamic_sampling_pass_rate'])} of its groups): the same waste under two names, its size set by "
+        f"how often each arm's own policy is always right or always wrong. Before the trust region acts, DAPO's "
+        f"signal fraction is {d['signal_token_fraction']:.3f} vs GRPO's {g['signal_token_fraction']:.3f}. From "
+        f"there DAPO loses what its clip removes ({pct(clipped)} of its tokens; GRPO makes one on-policy update per "
+        f"rollout, ratio 1, and never clips), groups still carried when the budget ends "
+        f"({pct(df['carried_pending'])}) and truncated completions it masks ({pct(df['masked'])}). Clipping is "
+        f"the point of DAPO's several updates per rollout, not waste that sampling could avoid."
+    )
     lines = [
         "# DAPO vs GRPO on the toy task at an equal generation budget",
         "",
@@ -242,6 +257,8 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         "| fate of a generated token | " + " | ".join(ARM_LABELS[arm] for arm in arms) + " |",
         "|---" * (len(arms) + 1) + "|",
         *["| " + " | ".join(row) + " |" for row in fate_rows],
+        "",
+        reading,
         "",
         "The useful-token fraction charges every generated token, including DAPO's discarded groups; with "
         f"{meta['eval_size']} held-out problems one accuracy value has a standard error of about "
