@@ -151,9 +151,10 @@ class GRPOVariantConfig(GRPOConfig):
                   "generation batch, generation_batch_size / num_generations)."},
     )
     dynamic_sampling_pass_rate_decay: float = field(
-        default=0.9,
+        default=0.5,
         metadata={"help": "Running pass rate: qualifying and generated group counts are summed with this decay "
-                  "per generation round (0 = the last round only)."},
+                  "per generation round (0 = the last round only; 0.5: the last round weighs about half, so the "
+                  "estimate follows a pass rate that moves as the policy learns)."},
     )
     max_num_gen_batches: int = field(
         default=10,

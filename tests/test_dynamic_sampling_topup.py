@@ -65,7 +65,7 @@ def _qualifying(n: int) -> int:
     return n - n // 4
 
 
-def _expected_rounds(steps: int, needed: int, decay: float = 0.9, margin: float = 1.0):
+def _expected_rounds(steps: int, needed: int, decay: float, margin: float = 1.0):
     """The rule written out independently: (round sizes, carried in, carried out, running rate) per batch."""
     def size(d, rate):
         return math.ceil((d + margin * math.sqrt(d * (1 - rate))) / rate - 1e-9)
@@ -106,7 +106,7 @@ def test_topup_follows_the_running_pass_rate(toy_model_path, small_train_dataset
 
     trainer._generate = _generate
     trainer.train()
-    expected = _expected_rounds(6, needed=4)
+    expected = _expected_rounds(6, needed=4, decay=args.dynamic_sampling_pass_rate_decay)
     assert [(i.round_groups, i.groups_carried_in, i.groups_carried_out) for i in infos] == [e[:3] for e in expected]
     assert generated_calls == [G * n for i in infos for n in i.round_groups]  # each round is one generate call
     # the case is not trivial: top-up rounds smaller than a generation batch, and first calls holding a top-up
