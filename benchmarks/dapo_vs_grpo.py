@@ -12,13 +12,16 @@ the same prompts, the same learning rate and completions per update, and stop on
   filtering, beta 0), reward ``toy_accuracy_pm1`` (+1 / -1). With group-std advantages the two reward
   scales give the same advantages. Updates per rollout come from the lab's toy preset (4 instead of the
   paper's 16, so one rollout does not overshoot the budget); both arms make one optimizer update per
-  ``--batch`` completions trained. ``--dapo-surplus discard`` restores the paper's cut of surplus groups.
+  ``--batch`` completions trained. Arm ``dapo_discard`` cuts surplus groups as the paper does; arm
+  ``dapo_full`` generates a whole generation batch per top-up round (verl) instead of sizing it from the
+  running pass rate.
 
 Measured per arm: held-out greedy accuracy against generated tokens (every ``--eval-every`` tokens,
 on ``--eval-size`` held-out problems), final accuracy, training wall seconds (evaluation time
 excluded; arms alternate seed by seed so background load hits both), generated tokens, the
-useful-token fraction (tokens that received a gradient / tokens generated) and generation rounds per
-optimisation batch (1 for GRPO; DAPO re-samples).
+useful-token fraction (tokens that received a gradient / tokens generated), the token ledger (where every
+generated token went: dropped, cut, carried, masked, zero advantage, clipped, useful) and generation
+rounds per optimisation batch (1 for GRPO; DAPO re-samples).
 
     python benchmarks/dapo_vs_grpo.py                 # full run (quiet 2-core CPU: about 25 minutes)
     python benchmarks/dapo_vs_grpo.py --quick         # end-to-end check (about 2 minutes)
@@ -240,7 +243,9 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"{opts.batch} completions per update ({opts.batch // opts.group} prompts x {opts.group}), lr {opts.lr:g}, "
         f"budget {opts.budget:,} generated tokens per arm, seeds {meta['seeds']}, {meta['eval_size']} held-out "
         f"problems. GRPO beta = {opts.grpo_beta:g}. DAPO: {meta.get('dapo_updates_per_rollout')} updates per rollout, "
-        f"surplus qualifying groups carried to the next batch (DAPO) or cut as in the paper (DAPO, surplus cut). "
+        f"top-ups sized from the running pass rate, surplus qualifying groups carried to the next batch (DAPO) or "
+        f"cut as in the paper (DAPO, surplus cut); DAPO, whole-batch top-ups: one generation batch per extra round "
+        f"(verl's), surplus carried. "
         f"Mode: {'quick' if opts.quick else 'full'}.",
         "",
         "| metric | " + " | ".join(ARM_LABELS[arm] for arm in arms) + " |",
