@@ -388,8 +388,8 @@ class GRPOVariantConfig(GRPOConfig):
         if isinstance(low_groups, bool) or int(low_groups) < 1 or (
                 high_groups is not None and (isinstance(high_groups, bool) or int(high_groups) < low_groups)):
             raise ConfigError(
-                f"dynamic_sampling_topup_min_groups ({low_groups}) must be >= 1 and dynamic_sampling_topup_max_groups "
-                f"({high_groups}) None or >= it."
+                f"dynamic_sampling_topup_min_groups ({low_groups}) must be >= 1 and "
+                f"dynamic_sampling_topup_max_groups ({high_groups}) None or >= it."
             )
         if isinstance(self.max_num_gen_batches, bool) or int(self.max_num_gen_batches) < 0:
             raise ConfigError(

@@ -332,7 +332,7 @@ class DynamicSamplingMixin:
     # ---- the running pass rate and the top-up size -------------------------------------------------
     @property
     def running_pass_rate(self) -> float | None:
-        """Qualifying / generated groups, summed with ``dynamic_sampling_pass_rate_decay`` per round (None: none yet)."""
+        """Qualifying / generated groups, summed with ``dynamic_sampling_pass_rate_decay`` per round (None: none)."""
         qualified, generated = self._ds_pass_counts
         return qualified / generated if generated > 0 else None
 

@@ -151,7 +151,8 @@ def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_trai
         assert bool((info.values.amax(dim=1) > info.values.amin(dim=1)).all())
         # the first round: the loader's 4 groups plus the top-up predicted from the running pass rate (none before
         # any history); later rounds: top-ups sized to the deficit
-        assert info.groups_kept <= info.groups_generated == sum(info.round_groups) and len(info.round_groups) == info.rounds
+        assert info.groups_kept <= info.groups_generated == sum(info.round_groups)
+        assert len(info.round_groups) == info.rounds
         assert info.round_groups[0] >= 4 and info.topup_groups == info.groups_generated - 4
         assert len(set(info.group_ids)) == 4
         # num_items_in_batch is the loss-mask token count of the final batch
