@@ -123,7 +123,20 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
         token_ledger=ledger["tokens"],
         token_fractions=ledger["fractions"],
         signal_token_fraction=ledger["fractions"]["signal"],
+        # staleness: of the signal tokens, the carried groups' share and how often each kind was clipped
+        **_carried_split(ledger),
         curve=evaluator.curve,
+    )
+
+
+def _carried_split(ledger: dict) -> dict:
+    tokens, carried = ledger["tokens"], ledger["carried_rows"]
+    clipped = tokens["clipped_dual"] + tokens["clipped_low"] + tokens["clipped_high"]
+    fresh_signal = tokens["signal"] - carried["signal"]
+    return dict(
+        carried_signal_share=carried["signal"] / max(tokens["signal"], 1),
+        clip_rate_carried=carried["clipped"] / carried["signal"] if carried["signal"] else None,
+        clip_rate_fresh=(clipped - carried["clipped"]) / max(fresh_signal, 1),
     )
 
 
@@ -153,6 +166,10 @@ def summarise(runs: list[dict]) -> dict:
             topup_groups_per_step=mean("topup_groups_per_step"),
             signal_token_fraction=mean("signal_token_fraction"),
             signal_token_fraction_per_seed=[r["signal_token_fraction"] for r in mine],
+            carried_signal_share=mean("carried_signal_share"),
+            clip_rate_carried=(statistics.mean(r["clip_rate_carried"] for r in mine)
+                               if all(r["clip_rate_carried"] is not None for r in mine) else None),
+            clip_rate_fresh=mean("clip_rate_fresh"),
             token_fractions={k: statistics.mean(r["token_fractions"][k] for r in mine)
                              for k in mine[0]["token_fractions"]},
             # area under the accuracy-vs-tokens curve / budget: mean accuracy over the run
@@ -197,6 +214,10 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         ("groups generated per optimisation batch (of them: top-up)",
          lambda a: f"{a['groups_generated_per_step']:.1f} ({a['topup_groups_per_step']:.1f})"),
         ("tokens clipped at the upper bound (mean per update)", lambda a: f"{a['clip_high_mean']:.4f}"),
+        ("signal tokens from carried groups (sampled one rollout earlier)", lambda a: pct(a["carried_signal_share"])),
+        ("clipped share of signal tokens: carried groups / fresh groups",
+         lambda a: ("-" if a["clip_rate_carried"] is None else pct(a["clip_rate_carried"]))
+         + f" / {pct(a['clip_rate_fresh'])}"),
         ("groups with zero reward std (generated)", lambda a: pct(a["frac_reward_zero_std"])),
         ("dynamic-sampling pass rate", lambda a: "-" if a["dynamic_sampling_pass_rate"] is None
          else pct(a["dynamic_sampling_pass_rate"])),

@@ -97,8 +97,10 @@ class TrainerMetrics:
         the buffer). ``signal``: tokens that reached an update in the loss mask with non-zero advantage (useful +
         clipped + no gradient for another reason), i.e. before the trust region acts. Counts are global (every
         process); a micro-batch visited twice (``num_iterations`` > 1, µ-GRPO's repeated stages) counts twice.
+        ``carried_rows``: of the signal tokens, those of groups carried from the previous batch (sampled by an older
+        policy) and how many of them were clipped (dynamic sampling with ``"carry"`` only).
         """
-        counts = dict(self._token_ledger)
+        counts = {name: self._token_ledger[name] for name in TOKEN_FATES}
         carried = getattr(self, "_ds_carried", None)
         counts["carried_pending"] = int(carried["generated_mask"].sum().item()) if carried is not None else 0
         generated = int(self._tokens_generated_total)
@@ -106,7 +108,8 @@ class TrainerMetrics:
         counts["signal"] = counts["useful"] + counts["clipped_dual"] + counts["clipped_low"] \
             + counts["clipped_high"] + counts["no_gradient_other"]
         fractions = {k: v / max(generated, 1) for k, v in counts.items()}
-        return {"generated": generated, "tokens": counts, "fractions": fractions}
+        carried_rows = {k: self._token_ledger.get(f"carried_{k}", 0) for k in ("signal", "clipped")}
+        return {"generated": generated, "tokens": counts, "fractions": fractions, "carried_rows": carried_rows}
 
     def _count_token_fates(self, stats, mask, inputs) -> None:
         """Add one training micro-batch's tokens to the ledger (reduced over processes)."""
@@ -126,9 +129,15 @@ class TrainerMetrics:
         useful = stats["useful"].expand(mask.shape) & trained
         counts.append((remaining & ~useful).float().sum())
         counts.append(useful.float().sum())
+        names = list(TOKEN_FATES[2:])
+        if "carried_rows" in inputs:  # rows of groups carried from the previous batch (dynamic sampling)
+            rows = inputs["carried_rows"].bool().view(-1, 1).expand(mask.shape)
+            clipped = signal & ~remaining
+            counts += [(signal & rows).float().sum(), (clipped & rows).float().sum()]
+            names += ["carried_signal", "carried_clipped"]
         totals = self.accelerator.reduce(torch.stack(counts).to(self.accelerator.device), reduction="sum")
-        for name, value in zip(TOKEN_FATES[2:], totals.tolist(), strict=True):
-            self._token_ledger[name] += int(round(value))
+        for name, value in zip(names, totals.tolist(), strict=True):
+            self._token_ledger[name] = self._token_ledger.get(name, 0) + int(round(value))
 
     def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
         """Masked mean over every process (values may be (B, 1) per-sequence or (B, T) per-token)."""

@@ -483,6 +483,9 @@ class DynamicSamplingMixin:
             parts = [{k: v for k, v in p.items() if k != "old_per_token_logps"} for p in parts]
         full = self._assemble(parts)
         values_kept, rewards_kept = full.pop("values"), full.pop("rewards")
+        if carry:  # which rows the previous batch generated (the token ledger splits their clipping out)
+            full["carried_rows"] = torch.zeros(full["completion_ids"].size(0))
+            full["carried_rows"][: carried_in * group] = 1.0
         if self.scale_rewards == "batch" and self.multi_objective_aggregation == "sum_then_normalize" \
                 and not args.kl_in_reward:
             # batch-std advantages: the std of the optimisation batch, not of each generation round

@@ -177,6 +177,8 @@ def test_token_ledger_accounts_for_every_generated_token(toy_model_path, small_t
     assert ledger["fractions"]["signal"] == pytest.approx(
         sum(tokens[k] for k in ("useful", "clipped_dual", "clipped_low", "clipped_high", "no_gradient_other"))
         / ledger["generated"])
+    split = ledger["carried_rows"]  # the carried groups' share of the signal tokens, and their clipped ones
+    assert 0 <= split["clipped"] <= split["signal"] <= tokens["signal"]
     assert "token_ledger" in trainer.variant_state_dict()
     logged = [r for r in trainer.state.log_history if "tokens/signal_fraction" in r]
     assert logged and all(f"token_fate/{name}" in logged[-1] for name in TOKEN_FATES)
@@ -202,4 +204,5 @@ def test_token_ledger_charges_zero_advantage_without_dynamic_sampling(toy_model_
     # plain GRPO trains the constant groups with advantage exactly 0: their tokens, and only theirs
     assert tokens["zero_advantage"] == sum(lengths) > 0
     assert tokens["dropped_by_filter"] == tokens["carried_pending"] == tokens["unaccounted"] == 0
+    assert trainer.token_ledger()["carried_rows"] == {"signal": 0, "clipped": 0}
     assert tokens["useful"] + tokens["zero_advantage"] + tokens["masked"] == trainer._tokens_generated_total
