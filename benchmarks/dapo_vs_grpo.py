@@ -257,6 +257,17 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"({pct(df['carried_pending'])}) and truncated completions it masks ({pct(df['masked'])}). Clipping is "
         f"the point of DAPO's several updates per rollout, not waste that sampling could avoid."
     )
+    if "dapo_full" in summary and d["clip_rate_carried"] is not None:
+        f = summary["dapo_full"]
+        reading += (
+            f" Staleness shows in the clip: tokens of carried groups (sampled one rollout earlier) are clipped "
+            f"{pct(d['clip_rate_carried'])} of the time vs {pct(d['clip_rate_fresh'])} for fresh ones (DAPO); with "
+            f"whole-batch top-ups carried groups hold {pct(f['carried_signal_share'])} of the signal tokens "
+            f"(clipped {pct(f['clip_rate_carried'])} / fresh {pct(f['clip_rate_fresh'])}), with top-ups sized from "
+            f"the pass rate {pct(d['carried_signal_share'])}: that, and fewer groups left carried at the end, is "
+            f"where the sized top-up's useful tokens come from ({d['useful_token_fraction']:.3f} vs "
+            f"{f['useful_token_fraction']:.3f})."
+        )
     lines = [
         "# DAPO vs GRPO on the toy task at an equal generation budget",
         "",
