@@ -12,13 +12,16 @@ the same prompts, the same learning rate and completions per update, and stop on
   filtering, beta 0), reward ``toy_accuracy_pm1`` (+1 / -1). With group-std advantages the two reward
   scales give the same advantages. Updates per rollout come from the lab's toy preset (4 instead of the
   paper's 16, so one rollout does not overshoot the budget); both arms make one optimizer update per
-  ``--batch`` completions trained. ``--dapo-surplus discard`` restores the paper's cut of surplus groups.
+  ``--batch`` completions trained. Arm ``dapo_discard`` cuts surplus groups as the paper does; arm
+  ``dapo_full`` generates a whole generation batch per top-up round (verl) instead of sizing it from the
+  running pass rate.
 
 Measured per arm: held-out greedy accuracy against generated tokens (every ``--eval-every`` tokens,
 on ``--eval-size`` held-out problems), final accuracy, training wall seconds (evaluation time
 excluded; arms alternate seed by seed so background load hits both), generated tokens, the
-useful-token fraction (tokens that received a gradient / tokens generated) and generation rounds per
-optimisation batch (1 for GRPO; DAPO re-samples).
+useful-token fraction (tokens that received a gradient / tokens generated), the token ledger (where every
+generated token went: dropped, cut, carried, masked, zero advantage, clipped, useful) and generation
+rounds per optimisation batch (1 for GRPO; DAPO re-samples).
 
     python benchmarks/dapo_vs_grpo.py                 # full run (quiet 2-core CPU: about 25 minutes)
     python benchmarks/dapo_vs_grpo.py --quick         # end-to-end check (about 2 minutes)
@@ -48,8 +51,9 @@ import torch  # noqa: E402
 from grpo_variants import get_variant, toy  # noqa: E402
 from grpo_variants.callbacks import GenerationBudgetCallback  # noqa: E402
 
-ALL_ARMS = ("grpo", "dapo", "dapo_discard")
-ARM_LABELS = {"grpo": "GRPO", "dapo": "DAPO", "dapo_discard": "DAPO, surplus cut (paper)"}
+ALL_ARMS = ("grpo", "dapo", "dapo_discard", "dapo_full")
+ARM_LABELS = {"grpo": "GRPO", "dapo": "DAPO", "dapo_discard": "DAPO, surplus cut (paper)",
+              "dapo_full": "DAPO, whole-batch top-ups"}
 ARMS = ("grpo", "dapo")  # the arms run (main() sets it from --arms)
 
 
@@ -63,7 +67,8 @@ def build(arm: str, kit, opts, seed: int, output_dir: str):
     else:
         values["max_num_gen_batches"] = opts.max_num_gen_batches
         values["dynamic_sampling_surplus"] = "discard" if arm == "dapo_discard" else "carry"
-        values.update(toy_preset(arm, values))  # 4 updates per rollout on the toy task
+        values["dynamic_sampling_topup"] = "full" if arm == "dapo_full" else "pass_rate"
+        values.update(toy_preset("dapo", values))  # 4 updates per rollout on the toy task (every DAPO arm)
         reward = "toy_accuracy_pm1"
     config = spec.config_cls(**values)
     trainer = spec.trainer_cls(model=kit.model_path, reward_funcs=reward, args=config,
@@ -90,6 +95,10 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
     pass_rates = [r["dynamic_sampling/pass_rate"] for r in history if "dynamic_sampling/pass_rate" in r]
     zero_std = [r["frac_reward_zero_std"] for r in history if "frac_reward_zero_std" in r]
     clip_high = [r["clip_ratio/high_mean"] for r in history if "clip_ratio/high_mean" in r]
+    topups = [r["dynamic_sampling/topup_groups"] for r in history if "dynamic_sampling/topup_groups" in r]
+    generated_groups = [r["dynamic_sampling/groups_generated"] for r in history
+                        if "dynamic_sampling/groups_generated" in r]
+    ledger = trainer.token_ledger()
     return dict(
         arm=arm,
         seed=seed,
@@ -108,7 +117,26 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
         generation_rounds_per_step=rounds / max(rollouts, 1),
         dynamic_sampling_pass_rate=statistics.mean(pass_rates) if pass_rates else None,
         frac_reward_zero_std=statistics.mean(zero_std) if zero_std else None,
+        # groups generated per optimisation batch, and how many of them beyond the loader's batch (top-ups)
+        groups_generated_per_step=statistics.mean(generated_groups) if generated_groups else opts.batch / opts.group,
+        topup_groups_per_step=statistics.mean(topups) if topups else 0.0,
+        token_ledger=ledger["tokens"],
+        token_fractions=ledger["fractions"],
+        signal_token_fraction=ledger["fractions"]["signal"],
+        # staleness: of the signal tokens, the carried groups' share and how often each kind was clipped
+        **_carried_split(ledger),
         curve=evaluator.curve,
+    )
+
+
+def _carried_split(ledger: dict) -> dict:
+    tokens, carried = ledger["tokens"], ledger["carried_rows"]
+    clipped = tokens["clipped_dual"] + tokens["clipped_low"] + tokens["clipped_high"]
+    fresh_signal = tokens["signal"] - carried["signal"]
+    return dict(
+        carried_signal_share=carried["signal"] / max(tokens["signal"], 1),
+        clip_rate_carried=carried["clipped"] / carried["signal"] if carried["signal"] else None,
+        clip_rate_fresh=(clipped - carried["clipped"]) / max(fresh_signal, 1),
     )
 
 
@@ -134,6 +162,16 @@ def summarise(runs: list[dict]) -> dict:
             dynamic_sampling_pass_rate=(statistics.mean(r["dynamic_sampling_pass_rate"] for r in mine)
                                         if mine[0]["dynamic_sampling_pass_rate"] is not None else None),
             frac_reward_zero_std=mean("frac_reward_zero_std"),
+            groups_generated_per_step=mean("groups_generated_per_step"),
+            topup_groups_per_step=mean("topup_groups_per_step"),
+            signal_token_fraction=mean("signal_token_fraction"),
+            signal_token_fraction_per_seed=[r["signal_token_fraction"] for r in mine],
+            carried_signal_share=mean("carried_signal_share"),
+            clip_rate_carried=(statistics.mean(r["clip_rate_carried"] for r in mine)
+                               if all(r["clip_rate_carried"] is not None for r in mine) else None),
+            clip_rate_fresh=mean("clip_rate_fresh"),
+            token_fractions={k: statistics.mean(r["token_fractions"][k] for r in mine)
+                             for k in mine[0]["token_fractions"]},
             # area under the accuracy-vs-tokens curve / budget: mean accuracy over the run
             mean_accuracy_over_budget=statistics.mean(_curve_mean(r["curve"]) for r in mine),
         )
@@ -168,16 +206,68 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         ("useful-token fraction", lambda a: f"{a['useful_token_fraction']:.3f}"),
         ("useful-token fraction per seed",
          lambda a: ", ".join(f"{x:.3f}" for x in a["useful_token_fraction_per_seed"])),
+        ("signal-token fraction (reached an update with A != 0, before clipping)",
+         lambda a: f"{a['signal_token_fraction']:.3f}"),
         ("optimizer steps", lambda a: f"{a['optimizer_steps']:.1f}"),
-        ("generation rounds per optimisation batch", lambda a: f"{a['generation_rounds_per_step']:.2f}"),
+        ("generation rounds (generate calls) per optimisation batch",
+         lambda a: f"{a['generation_rounds_per_step']:.2f}"),
+        ("groups generated per optimisation batch (of them: top-up)",
+         lambda a: f"{a['groups_generated_per_step']:.1f} ({a['topup_groups_per_step']:.1f})"),
         ("tokens clipped at the upper bound (mean per update)", lambda a: f"{a['clip_high_mean']:.4f}"),
+        ("signal tokens from carried groups (sampled one rollout earlier)", lambda a: pct(a["carried_signal_share"])),
+        ("clipped share of signal tokens: carried groups / fresh groups",
+         lambda a: ("-" if a["clip_rate_carried"] is None else pct(a["clip_rate_carried"]))
+         + f" / {pct(a['clip_rate_fresh'])}"),
         ("groups with zero reward std (generated)", lambda a: pct(a["frac_reward_zero_std"])),
         ("dynamic-sampling pass rate", lambda a: "-" if a["dynamic_sampling_pass_rate"] is None
          else pct(a["dynamic_sampling_pass_rate"])),
         ("training wall seconds (eval excluded)", lambda a: f"{a['wall_seconds']:.1f}"),
     ]
     rows = [(name, *[fn(summary[arm]) for arm in arms]) for name, fn in per_arm]
+    fates = [
+        ("(a) dropped by the dynamic-sampling filter (zero-std groups)", "dropped_by_filter"),
+        ("(a') qualifying but cut (surplus discarded)", "surplus_cut"),
+        ("(d) carried, still unused when the run ended", "carried_pending"),
+        ("(c) outside the loss mask (truncated: overlong filtering)", "masked"),
+        ("(e) trained with zero advantage (zero-std groups kept)", "zero_advantage"),
+        ("(b) clipped: dual clip (A < 0, ratio > c)", "clipped_dual"),
+        ("(b) clipped: low (A < 0, ratio < 1 - eps_low)", "clipped_low"),
+        ("(b) clipped: high (A > 0, ratio > 1 + eps_high)", "clipped_high"),
+        ("no gradient for another reason (cap, veto, masks)", "no_gradient_other"),
+        ("**useful** (non-zero policy gradient)", "useful"),
+        ("generated, never trained (last rollout unfinished)", "unaccounted"),
+    ]
+    fate_rows = [(name, *[f"{100 * summary[arm]['token_fractions'][key]:.1f}%" for arm in arms])
+                 for name, key in fates]
+    fate_rows.append(("signal: reached an update with A != 0 (useful + clipped + other)",
+                      *[f"{100 * summary[arm]['token_fractions']['signal']:.1f}%" for arm in arms]))
     r = summary["ratios"]
+    d = summary["dapo"]
+    gf, df = g["token_fractions"], d["token_fractions"]
+    clipped = df["clipped_dual"] + df["clipped_low"] + df["clipped_high"]
+    reading = (
+        f"Reading the ledger: GRPO trains the groups whose rewards are all equal with advantage 0 "
+        f"({pct(gf['zero_advantage'])} of its tokens; {pct(g['frac_reward_zero_std'])} of its groups), DAPO's filter "
+        f"drops them before the loss ({pct(df['dropped_by_filter'])} of its tokens; "
+        f"{pct(1 - d['dynamic_sampling_pass_rate'])} of its groups): the same waste under two names, its size set by "
+        f"how often each arm's own policy is always right or always wrong. Before the trust region acts, DAPO's "
+        f"signal fraction is {d['signal_token_fraction']:.3f} vs GRPO's {g['signal_token_fraction']:.3f}. From "
+        f"there DAPO loses what its clip removes ({pct(clipped)} of its tokens; GRPO makes one on-policy update per "
+        f"rollout, ratio 1, and never clips), groups still carried when the budget ends "
+        f"({pct(df['carried_pending'])}) and truncated completions it masks ({pct(df['masked'])}). Clipping is "
+        f"the point of DAPO's several updates per rollout, not waste that sampling could avoid."
+    )
+    if "dapo_full" in summary and d["clip_rate_carried"] is not None:
+        f = summary["dapo_full"]
+        reading += (
+            f" Staleness shows in the clip: tokens of carried groups (sampled one rollout earlier) are clipped "
+            f"{pct(d['clip_rate_carried'])} of the time vs {pct(d['clip_rate_fresh'])} for fresh ones (DAPO); with "
+            f"whole-batch top-ups carried groups hold {pct(f['carried_signal_share'])} of the signal tokens "
+            f"(clipped {pct(f['clip_rate_carried'])} / fresh {pct(f['clip_rate_fresh'])}), with top-ups sized from "
+            f"the pass rate {pct(d['carried_signal_share'])}: that, and fewer groups left carried at the end, is "
+            f"where the sized top-up's useful tokens come from ({d['useful_token_fraction']:.3f} vs "
+            f"{f['useful_token_fraction']:.3f})."
+        )
     lines = [
         "# DAPO vs GRPO on the toy task at an equal generation budget",
         "",
@@ -185,7 +275,9 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"{opts.batch} completions per update ({opts.batch // opts.group} prompts x {opts.group}), lr {opts.lr:g}, "
         f"budget {opts.budget:,} generated tokens per arm, seeds {meta['seeds']}, {meta['eval_size']} held-out "
         f"problems. GRPO beta = {opts.grpo_beta:g}. DAPO: {meta.get('dapo_updates_per_rollout')} updates per rollout, "
-        f"surplus qualifying groups carried to the next batch (DAPO) or cut as in the paper (DAPO, surplus cut). "
+        f"top-ups sized from the running pass rate, surplus qualifying groups carried to the next batch (DAPO) or "
+        f"cut as in the paper (DAPO, surplus cut); DAPO, whole-batch top-ups: one generation batch per extra round "
+        f"(verl's), surplus carried. "
         f"Mode: {'quick' if opts.quick else 'full'}.",
         "",
         "| metric | " + " | ".join(ARM_LABELS[arm] for arm in arms) + " |",
@@ -195,6 +287,15 @@ def write_markdown(path: Path, summary: dict, opts, meta: dict) -> None:
         f"DAPO - GRPO final accuracy: {100 * r['final_accuracy_dapo_minus_grpo']:+.1f} points; "
         f"wall-time ratio DAPO/GRPO {r['wall_seconds_dapo_over_grpo']:.2f} (same run, arms alternated); "
         f"useful-token fraction ratio {r['useful_token_fraction_dapo_over_grpo']:.2f}.",
+        "",
+        "Where the generated tokens went (token ledger, `GRPOVariantTrainer.token_ledger()`; share of every "
+        "generated token, mean over seeds; the rows sum to 100%):",
+        "",
+        "| fate of a generated token | " + " | ".join(ARM_LABELS[arm] for arm in arms) + " |",
+        "|---" * (len(arms) + 1) + "|",
+        *["| " + " | ".join(row) + " |" for row in fate_rows],
+        "",
+        reading,
         "",
         "The useful-token fraction charges every generated token, including DAPO's discarded groups; with "
         f"{meta['eval_size']} held-out problems one accuracy value has a standard error of about "
@@ -216,7 +317,7 @@ def plot(path: Path, runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"grpo": "tab:blue", "dapo": "tab:red", "dapo_discard": "tab:orange"}
+    colors = {"grpo": "tab:blue", "dapo": "tab:red", "dapo_discard": "tab:orange", "dapo_full": "tab:purple"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for run in runs:
         label = f"{ARM_LABELS[run['arm']]} seed {run['seed']}"
@@ -249,7 +350,8 @@ def main(argv=None) -> int:
     parser.add_argument("--grpo-beta", type=float, default=0.04, help="GRPO's KL coefficient (paper: 0.04)")
     parser.add_argument("--max-num-gen-batches", type=int, default=10)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ALL_ARMS),
-                        help="arms to run (dapo_discard: DAPO cutting surplus groups as in the paper)")
+                        help="arms to run (dapo_discard: DAPO cutting surplus groups as in the paper; dapo_full: "
+                             "top-up rounds of a whole generation batch, verl's, instead of sized from the pass rate)")
     parser.add_argument("--eval-every", type=int, default=None, help="generated tokens between evaluations")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 500; quick 100)")
     parser.add_argument("--out", default=str(HERE / "results"))

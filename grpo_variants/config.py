@@ -39,6 +39,7 @@ ADVANTAGE_TO_SCALE_REWARDS = {v: k for k, v in SCALE_REWARDS_TO_ADVANTAGE.items(
 VETO_SCOPES = ("T", "S_kappa", "H_kappa", "S_seq")
 DYNAMIC_SAMPLING_FILTERS = ("nonzero_std", "band")
 DYNAMIC_SAMPLING_SURPLUS = ("carry", "discard")
+DYNAMIC_SAMPLING_TOPUP = ("pass_rate", "full")
 # Fields only our composed loss reads, with their inactive value: set on a path that defers to TRL's own
 # loss (a TRL loss_type we do not compose, or use_adaptive_entropy) they would be silently ignored.
 COMPOSED_LOSS_ONLY = {
@@ -129,6 +130,33 @@ class GRPOVariantConfig(GRPOConfig):
         default="carry",
         metadata={"help": "Qualifying groups beyond the batch: 'carry' keeps them (with their behaviour log-probs "
                   "and advantages) for the next optimisation batch; 'discard' cuts them (the paper / verl)."},
+    )
+    dynamic_sampling_topup: str = field(
+        default="pass_rate",
+        metadata={"help": "How many groups to generate when the batch is short: 'pass_rate' sizes them from the "
+                  "running pass rate to the deficit (the first round adds its predicted top-up to the loader's "
+                  "prompts in the same generate call); 'full' generates one whole generation batch per round "
+                  "(verl)."},
+    )
+    dynamic_sampling_topup_margin: float = field(
+        default=1.0,
+        metadata={"help": "'pass_rate' top-up: extra groups for z binomial standard deviations of the qualifying "
+                  "count (0 = exactly deficit / pass rate)."},
+    )
+    dynamic_sampling_topup_min_groups: int = field(
+        default=1,
+        metadata={"help": "'pass_rate' top-up: the fewest groups a top-up round generates (the floor)."},
+    )
+    dynamic_sampling_topup_max_groups: int | None = field(
+        default=None,
+        metadata={"help": "'pass_rate' top-up: the most groups one top-up generates (the cap; None = one "
+                  "generation batch, generation_batch_size / num_generations)."},
+    )
+    dynamic_sampling_pass_rate_decay: float = field(
+        default=0.5,
+        metadata={"help": "Running pass rate: qualifying and generated group counts are summed with this decay "
+                  "per generation round (0 = the last round only; 0.5: the last round weighs about half, so the "
+                  "estimate follows a pass rate that moves as the policy learns)."},
     )
     max_num_gen_batches: int = field(
         default=10,
@@ -391,6 +419,23 @@ class GRPOVariantConfig(GRPOConfig):
             ConfigError(f"{name}={value!r} is not valid; choose one of {list(allowed)}."))
         check("dynamic_sampling_filter", self.dynamic_sampling_filter, DYNAMIC_SAMPLING_FILTERS)
         check("dynamic_sampling_surplus", self.dynamic_sampling_surplus, DYNAMIC_SAMPLING_SURPLUS)
+        check("dynamic_sampling_topup", self.dynamic_sampling_topup, DYNAMIC_SAMPLING_TOPUP)
+        if not self.dynamic_sampling_topup_margin >= 0.0:
+            raise ConfigError(
+                f"dynamic_sampling_topup_margin ({self.dynamic_sampling_topup_margin}) must be >= 0 (standard "
+                "deviations of the qualifying count; 0 = exactly deficit / pass rate)."
+            )
+        if not 0.0 <= self.dynamic_sampling_pass_rate_decay < 1.0:
+            raise ConfigError(
+                f"dynamic_sampling_pass_rate_decay ({self.dynamic_sampling_pass_rate_decay}) must lie in [0, 1)."
+            )
+        low_groups, high_groups = self.dynamic_sampling_topup_min_groups, self.dynamic_sampling_topup_max_groups
+        if isinstance(low_groups, bool) or int(low_groups) < 1 or (
+                high_groups is not None and (isinstance(high_groups, bool) or int(high_groups) < low_groups)):
+            raise ConfigError(
+                f"dynamic_sampling_topup_min_groups ({low_groups}) must be >= 1 and "
+                f"dynamic_sampling_topup_max_groups ({high_groups}) None or >= it."
+            )
         if isinstance(self.max_num_gen_batches, bool) or int(self.max_num_gen_batches) < 0:
             raise ConfigError(
                 f"max_num_gen_batches ({self.max_num_gen_batches}) must be >= 0 (0 = no cap; verl uses 10)."

@@ -9,7 +9,9 @@ staleness).
 Per micro-batch (``_log_loss_metrics``): ``entropy``, ``clip_ratio/{low,high,dual,region}_mean``,
 ``kl``, ``veto/{trigger_fraction,fraction}``, ``fipo/weight_{mean,max}``, and in training
 ``useful_token_fraction`` (tokens whose policy gradient is non-zero over every token generated for the
-update, dropped groups and drafts included) with the running token totals. Per rollout
+update, dropped groups and drafts included) with the running token totals, and the token ledger
+(:meth:`TrainerMetrics.token_ledger`: ``token_fate/<fate>``, cumulative fractions of generated tokens, and
+``tokens/signal_fraction``, generated tokens that reached an update with non-zero advantage). Per rollout
 (``_on_rollout_done``): ``time/{generation,reward,logprobs,rollout}_s``,
 ``throughput/generated_tokens_per_s``, ``tokens/{generated,kept_fraction}``. Per reward call
 (``_log_reward_health``): ``rewards/<name>/{error_rate,timeout_rate,nan_rate,cache_hit_rate,time_s}``.
@@ -19,7 +21,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TrainerMetrics"]
+__all__ = ["TOKEN_FATES", "TrainerMetrics"]
+
+# Where every generated token goes (the token ledger, cumulative over the run; see TrainerMetrics.token_ledger).
+# Before the loss: dropped by the dynamic-sampling filter, qualifying but cut (surplus "discard"). At the loss
+# (each micro-batch, first match wins): outside the loss mask although generated (truncated completions under
+# overlong filtering, tool output), zero advantage, clipped low / high / dual (non-zero advantage, no gradient
+# from the trust region), no gradient for another reason (ratio cap, veto, FIPO drop, TRL's token masks), useful.
+TOKEN_FATES = (
+    "dropped_by_filter",
+    "surplus_cut",
+    "masked",
+    "zero_advantage",
+    "clipped_dual",
+    "clipped_low",
+    "clipped_high",
+    "no_gradient_other",
+    "useful",
+)
 
 
 class TrainerMetrics:
@@ -69,6 +88,56 @@ class TrainerMetrics:
         metrics["tokens/kept_fraction"].append(self._kept_fraction)
         self._phase_time = dict.fromkeys(self._phase_time, 0.0)
         self._tokens_generated_round = 0
+
+    def token_ledger(self) -> dict:
+        """Where the run's generated tokens went: counts per fate (:data:`TOKEN_FATES`) and fractions of generated.
+
+        ``carried_pending``: tokens of qualifying groups carried to the next batch and not trained yet (at the end
+        of a run: generated, never used). ``unaccounted``: the rest (generated, not yet trained: a rollout still in
+        the buffer). ``signal``: tokens that reached an update in the loss mask with non-zero advantage (useful +
+        clipped + no gradient for another reason), i.e. before the trust region acts. Counts are global (every
+        process); a micro-batch visited twice (``num_iterations`` > 1, µ-GRPO's repeated stages) counts twice.
+        ``carried_rows``: of the signal tokens, those of groups carried from the previous batch (sampled by an older
+        policy) and how many of them were clipped (dynamic sampling with ``"carry"`` only).
+        """
+        counts = {name: self._token_ledger[name] for name in TOKEN_FATES}
+        carried = getattr(self, "_ds_carried", None)
+        counts["carried_pending"] = int(carried["generated_mask"].sum().item()) if carried is not None else 0
+        generated = int(self._tokens_generated_total)
+        counts["unaccounted"] = generated - sum(counts.values())
+        counts["signal"] = counts["useful"] + counts["clipped_dual"] + counts["clipped_low"] \
+            + counts["clipped_high"] + counts["no_gradient_other"]
+        fractions = {k: v / max(generated, 1) for k, v in counts.items()}
+        carried_rows = {k: self._token_ledger.get(f"carried_{k}", 0) for k in ("signal", "clipped")}
+        return {"generated": generated, "tokens": counts, "fractions": fractions, "carried_rows": carried_rows}
+
+    def _count_token_fates(self, stats, mask, inputs) -> None:
+        """Add one training micro-batch's tokens to the ledger (reduced over processes)."""
+        from grpo_variants.losses import as_token_advantages
+
+        trained = mask > 0
+        generated = inputs.get("generated_mask", mask).float()
+        adv = as_token_advantages(inputs["advantages"]).expand(mask.shape)
+        zero = trained & (adv == 0)
+        signal = trained & ~zero
+        remaining = signal
+        counts = [generated.sum() - trained.float().sum(), zero.float().sum()]
+        for key in ("is_dual_clipped", "is_low_clipped", "is_high_clipped"):
+            flagged = stats[key].expand(mask.shape) & remaining if key in stats else torch.zeros_like(remaining)
+            counts.append(flagged.float().sum())
+            remaining = remaining & ~flagged
+        useful = stats["useful"].expand(mask.shape) & trained
+        counts.append((remaining & ~useful).float().sum())
+        counts.append(useful.float().sum())
+        names = list(TOKEN_FATES[2:])
+        if "carried_rows" in inputs:  # rows of groups carried from the previous batch (dynamic sampling)
+            rows = inputs["carried_rows"].bool().view(-1, 1).expand(mask.shape)
+            clipped = signal & ~remaining
+            counts += [(signal & rows).float().sum(), (clipped & rows).float().sum()]
+            names += ["carried_signal", "carried_clipped"]
+        totals = self.accelerator.reduce(torch.stack(counts).to(self.accelerator.device), reduction="sum")
+        for name, value in zip(names, totals.tolist(), strict=True):
+            self._token_ledger[name] = self._token_ledger.get(name, 0) + int(round(value))
 
     def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
         """Masked mean over every process (values may be (B, 1) per-sequence or (B, T) per-token)."""
@@ -125,6 +194,14 @@ class TrainerMetrics:
             useful, produced = totals.tolist()
             self._tokens_useful_total += int(useful)
             metrics["useful_token_fraction"].append(useful / max(produced, 1.0) * self._kept_fraction)
+            self._count_token_fates(stats, mask, inputs)
+            generated_total = max(self._tokens_generated_total, 1)
+            ledger = self._token_ledger
+            signal = sum(ledger[k] for k in ("useful", "clipped_dual", "clipped_low", "clipped_high",
+                                             "no_gradient_other"))
+            metrics["tokens/signal_fraction"].append(signal / generated_total)
+            for name in TOKEN_FATES:
+                metrics[f"token_fate/{name}"].append(ledger[name] / generated_total)
             metrics["tokens/useful_total"].append(float(self._tokens_useful_total))
             metrics["tokens/generated_total"].append(float(self._tokens_generated_total))
             metrics["generation_rounds_total"].append(float(self._generation_rounds_total))

@@ -12,12 +12,30 @@ calls ``super()``), never a copy of it:
    ``max_num_gen_batches`` rounds (verl's cap, default 10, 0 = unlimited) a
    :class:`~grpo_variants.errors.DynamicSamplingError` says how many groups qualified.
 
+**Top-up size** (``dynamic_sampling_topup``). verl generates a whole generation batch per extra round
+(``"full"``). ``"pass_rate"`` (the default) sizes every top-up from the running pass rate p (qualifying
+/ generated groups, summed with ``dynamic_sampling_pass_rate_decay`` per round) to the d groups still
+missing: n = ceil((d + z sqrt(d (1 - p))) / p) with z = ``dynamic_sampling_topup_margin`` standard
+deviations of the binomial qualifying count (:func:`topup_groups`), at least
+``dynamic_sampling_topup_min_groups``, at most ``dynamic_sampling_topup_max_groups`` (default and upper
+bound: one generation batch), rounded up to a multiple of ``processes / gcd(num_generations,
+processes)`` so that every process generates the same number of rows. The first round of a batch adds
+its predicted top-up (n minus the loader's groups, when positive) to the loader's prompts in the same
+generate call, so most batches need one call; a later round (the prediction fell short) is sized with
+the lower of the running rate and this batch's. TRL's generation batch is fixed in its loader, so the
+top-up's prompts come from the stream: each process draws its local chunk, the chunks are gathered
+(``gather_object``; every process sees the same global rows) and the needed rows, appended to the
+loader's when merged into the first call, are split evenly over the processes before
+``super()``'s rollout; the rest of that chunk's prompts is skipped (never generated). The decayed
+counts are part of the checkpoint; ``dynamic_sampling/{topup_groups,running_pass_rate}`` are logged.
+
 **Surplus groups** (qualifying groups of the last round beyond the batch): the paper and verl cut
 them. ``dynamic_sampling_surplus="carry"`` (the default) keeps them, in order, and puts them first
 in the next optimisation batch, so a round's qualifying groups are all trained and the generation
 rounds per optimisation batch approach 1 / pass-rate-amortised instead of ``ceil``-ing every step.
 Staleness: a carried group was sampled by the policy of the previous optimisation batch (at most
-one rollout older, since the carry is always smaller than one batch). It carries its behaviour
+one rollout older: the carry is always smaller than one batch, the first round's predicted top-up is
+bounded so that it stays so even if every group qualifies). It carries its behaviour
 log-probs (``old_per_token_logps``; computed for it when the step is otherwise on-policy) and its
 group-normalised advantage from its own round, so the importance ratio pi_theta / pi_behav of the
 loss corrects for the staleness and the clip bounds it, exactly as for the later mini-batches of a
@@ -42,7 +60,9 @@ auto-added overlong penalty, the paper's accuracy; equal to ``"reward"`` without
 * ``"band"`` (band-pass): a completion is correct when ``v > dynamic_sampling_correct_threshold``; keep
   the group when ``dynamic_sampling_band_low <= mean accuracy <= dynamic_sampling_band_high``.
 
-Tokens generated for dropped groups still count as generated (``useful_token_fraction`` charges them).
+Tokens generated for dropped groups still count as generated (``useful_token_fraction`` charges them;
+the token ledger, :meth:`~grpo_variants.metrics.TrainerMetrics.token_ledger`, counts them as
+``dropped_by_filter``, cut surplus as ``surplus_cut`` and the carry as ``carried_pending``).
 Variants that rewrite the rollout themselves (iGRPO's two stages, µ-GRPO's stage buffer) do not
 compose with it: they refuse ``dynamic_sampling=True`` at construction.
 """
@@ -50,7 +70,8 @@ compose with it: they refuse ``dynamic_sampling=True`` at construction.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 from datasets import IterableDataset
@@ -60,7 +81,7 @@ from grpo_variants.config import DYNAMIC_SAMPLING_FILTERS
 from grpo_variants.errors import ConfigError, DynamicSamplingError
 from grpo_variants.rollout_batch import LEFT_PADDED, cat_rows, pad_value
 
-__all__ = ["DynamicSamplingInfo", "DynamicSamplingMixin", "select_groups"]
+__all__ = ["DynamicSamplingInfo", "DynamicSamplingMixin", "select_groups", "topup_groups"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -98,6 +119,43 @@ def select_groups(
     raise ValueError(f"unknown dynamic sampling filter {mode!r}; choose one of {list(DYNAMIC_SAMPLING_FILTERS)}")
 
 
+def topup_groups(
+    deficit: int,
+    pass_rate: float | None,
+    *,
+    margin: float = 1.0,
+    min_groups: int = 1,
+    max_groups: int,
+    multiple: int = 1,
+    already: int = 0,
+) -> int:
+    """Groups to generate so that about ``deficit`` of them qualify, given the running ``pass_rate`` (pure).
+
+    n = ceil((d + z * sqrt(d * (1 - p))) / p) - ``already`` for d = ``deficit``, p = ``pass_rate``, z =
+    ``margin``, where ``already`` groups are generated in the same call anyway (the loader's prompts of a
+    batch's first round). The binomial count of qualifying groups among all of them then reaches d about as
+    often as a normal variable stays above its mean minus z standard deviations (z = 1: ~84%; z = 0: ceil(d /
+    p) in all, about half the time). n <= 0 gives 0; otherwise n is clamped to [``min_groups``,
+    ``max_groups``] and rounded up to a multiple of ``multiple`` (every process generates the same number of
+    rows), or down where that would pass ``max_groups``. No pass rate yet (or 0): ``max_groups`` when
+    ``already`` is 0, else 0 (nothing to predict from). ``deficit <= 0``: 0.
+    """
+    if deficit <= 0:
+        return 0
+    if pass_rate is None or pass_rate <= 0.0:
+        n = max_groups if already == 0 else 0
+    else:
+        p = min(float(pass_rate), 1.0)
+        n = math.ceil((deficit + margin * math.sqrt(deficit * (1.0 - p))) / p - 1e-9) - already
+    if n <= 0:
+        return 0
+    n = min(max(n, min_groups), max_groups)
+    n = -(-n // multiple) * multiple
+    if n > max_groups:
+        n = max(multiple, max_groups // multiple * multiple)
+    return n
+
+
 @dataclass
 class DynamicSamplingInfo:
     """What the last training rollout's dynamic sampling did (identical on every process)."""
@@ -111,6 +169,10 @@ class DynamicSamplingInfo:
     values: torch.Tensor  # (groups_needed, num_generations) filter values of the batch's groups
     groups_carried_in: int = 0  # groups of this batch that the previous rollout generated
     groups_carried_out: int = 0  # surplus groups kept for the next batch
+    round_groups: list[int] = field(default_factory=list)  # groups generated by each round (first: the loader's
+    # prompts plus the predicted top-up drawn into the same generate call)
+    topup_groups: int = 0  # groups generated beyond the loader's generation batch (stream prompts), all rounds
+    pass_rate_estimate: float | None = None  # running pass rate the first round was sized with (None: no history)
 
 
 class _PromptStream(RepeatSampler):
@@ -153,6 +215,7 @@ class DynamicSamplingMixin:
         self._stream_chunk = 0  # chunks (generation rounds) consumed in the current epoch
         self._ds_rounds_total = 0
         self._ds_carried: dict | None = None  # surplus groups of the last rollout (global rows, CPU)
+        self._ds_pass_counts = [0.0, 0.0]  # decayed (qualifying, generated) group counts: the running pass rate
         self.last_dynamic_sampling: DynamicSamplingInfo | None = None
         if not args.dynamic_sampling:
             return
@@ -178,6 +241,7 @@ class DynamicSamplingMixin:
             "dynamic_sampling_stream_chunk": self._stream_chunk,
             "dynamic_sampling_rounds_total": self._ds_rounds_total,
             "dynamic_sampling_carried": self._ds_carried,
+            "dynamic_sampling_pass_counts": list(self._ds_pass_counts),
         }
 
     def _load_dynamic_sampling_state(self, state: dict) -> None:
@@ -185,6 +249,7 @@ class DynamicSamplingMixin:
         self._stream_chunk = int(state.get("dynamic_sampling_stream_chunk", 0))
         self._ds_rounds_total = int(state.get("dynamic_sampling_rounds_total", 0))
         self._ds_carried = state.get("dynamic_sampling_carried")
+        self._ds_pass_counts = [float(v) for v in state.get("dynamic_sampling_pass_counts", (0.0, 0.0))]
         self._stream_iter = None  # re-opened at the restored position on the next draw
 
     # ---- the extra-prompt stream ----------------------------------------------------------------
@@ -262,6 +327,71 @@ class DynamicSamplingMixin:
         )
         return logps
 
+    # ---- the running pass rate and the top-up size -------------------------------------------------
+    @property
+    def running_pass_rate(self) -> float | None:
+        """Qualifying / generated groups, summed with ``dynamic_sampling_pass_rate_decay`` per round (None: none)."""
+        qualified, generated = self._ds_pass_counts
+        return qualified / generated if generated > 0 else None
+
+    def _update_pass_rate(self, qualified: int, generated: int) -> None:
+        decay = self.args.dynamic_sampling_pass_rate_decay
+        q, n = self._ds_pass_counts
+        self._ds_pass_counts = [decay * q + qualified, decay * n + generated]
+
+    def _topup_multiple(self) -> int:
+        """Top-up sizes are multiples of this: ``groups * num_generations`` rows split evenly over the processes."""
+        processes = self.accelerator.num_processes
+        return processes // math.gcd(self.num_generations, processes)
+
+    def _topup_size(self, deficit: int, already: int = 0, batch_rate: float | None = None) -> int:
+        """Groups a top-up for ``deficit`` missing groups generates (:func:`topup_groups` with the config's bounds).
+
+        ``already``: groups the same generate call holds anyway (the first round's loader prompts): the first
+        round then adds the top-up predicted for its expected shortfall instead of a second call making it up.
+        ``batch_rate``: the pass rate of this batch's rounds so far; a later round is sized with the lower of it
+        and the running rate, so that a sudden drop (a running rate built over many rounds moves slowly) does
+        not spend the ``max_num_gen_batches`` rounds on top-ups that are too small.
+        """
+        args = self.args
+        per_round = args.generation_batch_size // self.num_generations
+        cap = min(args.dynamic_sampling_topup_max_groups or per_round, per_round)  # one stream draw holds per_round
+        rate = self.running_pass_rate
+        if batch_rate is not None and rate is not None:
+            rate = min(rate, batch_rate)
+        return topup_groups(deficit, rate, margin=args.dynamic_sampling_topup_margin,
+                            min_groups=min(args.dynamic_sampling_topup_min_groups, cap), max_groups=cap,
+                            multiple=self._topup_multiple(), already=already)
+
+    def _round_batch(self, loader_rows: list | None, groups: int) -> list:
+        """A round's local prompt rows: the loader's (``loader_rows``, or none) then ``groups`` stream groups.
+
+        The rows are laid out globally (rank 0's local rows, then rank 1's, ...) and re-split evenly, so the
+        groups stay contiguous even where one straddles two processes; the rest of the drawn stream chunk is
+        skipped (never generated: no tokens are spent on it). ``groups == 0``: ``loader_rows`` unchanged.
+        """
+        if groups == 0:
+            return loader_rows
+        stream = self._draw_prompts()
+        rows_needed = groups * self.num_generations
+        accelerator = self.accelerator
+        if accelerator.num_processes == 1:
+            return list(loader_rows or []) + list(stream[:rows_needed])
+        from accelerate.utils import gather_object
+
+        everything = (list(gather_object(list(loader_rows))) if loader_rows else []) \
+            + list(gather_object(list(stream)))[:rows_needed]
+        share = len(everything) // accelerator.num_processes
+        start = accelerator.process_index * share
+        return everything[start : start + share]
+
+    def _global_row_tokens(self, output: dict) -> torch.Tensor:
+        """Generated tokens of every row of a round (gathered over processes, CPU)."""
+        tokens = output["generated_mask"].sum(dim=1)
+        if self.accelerator.num_processes > 1:
+            tokens = self.accelerator.gather(tokens.contiguous())
+        return tokens.float().cpu()
+
     @torch.no_grad()
     def _dynamic_sampling_rollout(self, inputs):
         args = self.args
@@ -270,6 +400,7 @@ class DynamicSamplingMixin:
         needed = args.generation_batch_size // group
         band = (args.dynamic_sampling_band_low, args.dynamic_sampling_band_high)
         carry = args.dynamic_sampling_surplus == "carry"
+        sized = args.dynamic_sampling_topup == "pass_rate"
         parts, group_ids = [], []
         carried_in = 0
         if self._ds_carried is not None:
@@ -279,7 +410,18 @@ class DynamicSamplingMixin:
             self._ds_carried = None
         generated = qualified = rounds = 0
         carried_out = None
-        batch = inputs
+        estimate = self.running_pass_rate
+        per_round = needed  # the loader's generation batch, in groups
+        extra = self._topup_size(needed - carried_in, already=per_round) if sized else 0
+        # even if every group qualified, the surplus (carried_in + extra) stays below one batch: a carried group is
+        # trained by the next optimisation batch, never later
+        bound = max(needed - 1 - carried_in, 0)
+        if extra > bound:
+            multiple = self._topup_multiple()
+            extra = bound // multiple * multiple
+        batch = self._round_batch(inputs, extra)
+        round_groups, topup = [], extra
+        ledger = self._token_ledger
         while len(group_ids) < needed:
             rounds += 1
             self._rollout_nested = rounds > 1  # the base counts one rollout per optimisation batch
@@ -287,21 +429,29 @@ class DynamicSamplingMixin:
                 output = self._scored_rollout(batch)
             finally:
                 self._rollout_nested = False
+            round_local = len(batch)
             values = self._filter_values()
             keep = select_groups(values, group, mode=args.dynamic_sampling_filter, band=band,
                                  correct_threshold=args.dynamic_sampling_correct_threshold)
             generated += keep.numel()
             qualified += int(keep.sum().item())
+            round_groups.append(keep.numel())
+            self._update_pass_rate(int(keep.sum().item()), keep.numel())
             passing = keep.nonzero().flatten().cpu()
             room = needed - len(group_ids)
             take, surplus = passing[:room], passing[room:] if carry else passing[:0]
+            # token ledger: the dropped groups' tokens, and the qualifying groups cut (surplus "discard")
+            row_tokens = self._global_row_tokens(output).view(-1, group).sum(dim=1)
+            ledger["dropped_by_filter"] += int(row_tokens[~keep.cpu()].sum().item())
+            if not carry:
+                ledger["surplus_cut"] += int(row_tokens[passing[room:]].sum().item())
             if take.numel() + surplus.numel() > 0:
                 # behaviour log-probs travel with carried groups; a batch mixing carried and fresh groups needs them
                 # for every row (TRL computes none on an on-policy step)
                 if (surplus.numel() > 0 or carried_in > 0) and output.get("old_per_token_logps") is None:
                     output["old_per_token_logps"] = self._behaviour_logps_for(output)
                 rows = (passing[: take.numel() + surplus.numel()].unsqueeze(1) * group + torch.arange(group)).flatten()
-                gathered = self._gather_rows(output, rows, local)
+                gathered = self._gather_rows(output, rows, round_local)
                 gathered["values"] = values.detach().float().cpu()[rows].view(-1, group)
                 gathered["rewards"] = self.weighted_rewards().detach().float().cpu()[rows]
                 cut = lambda key: take.numel() * (1 if key == "values" else group)  # noqa: E731  (values: per group)
@@ -314,7 +464,13 @@ class DynamicSamplingMixin:
             if args.max_num_gen_batches and rounds >= args.max_num_gen_batches:
                 self._ds_rounds_total += rounds
                 raise DynamicSamplingError(self._shortfall_message(rounds, generated, qualified, needed))
-            batch = self._draw_prompts()
+            if sized:
+                size = self._topup_size(needed - len(group_ids), batch_rate=qualified / max(generated, 1))
+                topup += size
+                batch = self._round_batch(None, size)
+            else:
+                topup += needed
+                batch = self._draw_prompts()
         self._ds_rounds_total += rounds
         self._ds_carried = carried_out
         parts = [p for p in parts if p["values"].size(0) > 0]
@@ -325,6 +481,9 @@ class DynamicSamplingMixin:
             parts = [{k: v for k, v in p.items() if k != "old_per_token_logps"} for p in parts]
         full = self._assemble(parts)
         values_kept, rewards_kept = full.pop("values"), full.pop("rewards")
+        if carry:  # which rows the previous batch generated (the token ledger splits their clipping out)
+            full["carried_rows"] = torch.zeros(full["completion_ids"].size(0))
+            full["carried_rows"][: carried_in * group] = 1.0
         if self.scale_rewards == "batch" and self.multi_objective_aggregation == "sum_then_normalize" \
                 and not args.kl_in_reward:
             # batch-std advantages: the std of the optimisation batch, not of each generation round
@@ -335,6 +494,7 @@ class DynamicSamplingMixin:
             rounds=rounds, groups_generated=generated, groups_kept=qualified, groups_needed=needed,
             group_ids=group_ids, values=values_kept, groups_carried_in=carried_in,
             groups_carried_out=0 if carried_out is None else carried_out["values"].size(0),
+            round_groups=round_groups, topup_groups=topup, pass_rate_estimate=estimate,
         )
         self._on_dynamic_sampling_batch(full, self.last_dynamic_sampling)
         metrics = self._metrics["train"]
@@ -342,7 +502,9 @@ class DynamicSamplingMixin:
         metrics["dynamic_sampling/groups_generated"].append(float(generated))
         metrics["dynamic_sampling/groups_kept"].append(float(qualified))
         metrics["dynamic_sampling/groups_carried"].append(float(carried_in))
+        metrics["dynamic_sampling/topup_groups"].append(float(topup))
         metrics["dynamic_sampling/pass_rate"].append(qualified / max(generated, 1))
+        metrics["dynamic_sampling/running_pass_rate"].append(self.running_pass_rate)
         return self._local_slice(full, local)
 
     def _on_dynamic_sampling_batch(self, batch: dict, info: DynamicSamplingInfo) -> None:

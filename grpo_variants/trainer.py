@@ -40,7 +40,7 @@ from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
 from grpo_variants.loader import RepeatedFetchCache, RowBatch
 from grpo_variants.losses import LossSpec, compute_policy_loss
-from grpo_variants.metrics import TrainerMetrics
+from grpo_variants.metrics import TOKEN_FATES, TrainerMetrics
 from grpo_variants.rewards.columns import check_reward_columns
 from grpo_variants.rollout_batch import FORWARD_KEYS as _FORWARD_KEYS
 from grpo_variants.rollout_logprobs import SampledLogprobRecorder
@@ -217,6 +217,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         self._tokens_generated_round = 0  # every generated token of the current rollout (kept or not)
         self._tokens_generated_total = 0
         self._tokens_useful_total = 0
+        self._token_ledger = dict.fromkeys(TOKEN_FATES, 0)  # where generated tokens went (metrics.token_ledger)
         self._generation_rounds_total = 0
         self._completions_generated_total = 0  # every completion generated in training (drafts included)
         self._kept_fraction = 1.0  # kept tokens / generated tokens of the last rollout (filters, drafts)
@@ -367,6 +368,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
             "generation_rounds_total": self._generation_rounds_total,
             "completions_generated_total": self._completions_generated_total,
             "kept_fraction": self._kept_fraction,
+            "token_ledger": dict(self._token_ledger),
             **self._dynamic_sampling_state(),
             **self._stage_state(),
         }
@@ -378,6 +380,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         self._generation_rounds_total = state.get("generation_rounds_total", 0)
         self._completions_generated_total = state.get("completions_generated_total", 0)
         self._kept_fraction = state.get("kept_fraction", 1.0)
+        self._token_ledger = {**dict.fromkeys(TOKEN_FATES, 0), **state.get("token_ledger", {})}
         self._load_dynamic_sampling_state(state)
         self._load_stage_state(state)
 

@@ -149,7 +149,11 @@ def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_trai
         assert out["completion_ids"].size(0) == args.generation_batch_size == 16
         assert info.groups_needed == 4 and len(info.group_ids) == 4 and info.values.shape == (4, 4)
         assert bool((info.values.amax(dim=1) > info.values.amin(dim=1)).all())
-        assert info.groups_kept <= info.groups_generated == 4 * info.rounds
+        # the first round: the loader's 4 groups plus the top-up predicted from the running pass rate (none before
+        # any history); later rounds: top-ups sized to the deficit
+        assert info.groups_kept <= info.groups_generated == sum(info.round_groups)
+        assert len(info.round_groups) == info.rounds
+        assert info.round_groups[0] >= 4 and info.topup_groups == info.groups_generated - 4
         assert len(set(info.group_ids)) == 4
         # num_items_in_batch is the loss-mask token count of the final batch
         assert int(out["num_items_in_batch"]) == int(out["completion_mask"].sum())
@@ -175,7 +179,7 @@ def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_trai
     state = trainer.variant_state_dict()
     assert state["dynamic_sampling_rounds_total"] == rec.generate_calls
     stream = (state["dynamic_sampling_stream_epoch"], state["dynamic_sampling_stream_chunk"])
-    assert stream == (0, sum(i.rounds - 1 for _, i in rec.rollouts))
+    assert stream == (0, sum(i.rounds - 1 + (i.round_groups[0] > 4) for _, i in rec.rollouts))
 
 
 def test_retry_cap_raises_clear_error(toy_model_path, small_train_dataset, make_args):
@@ -273,7 +277,9 @@ def _three_of_four_groups_vary(prompts, completions, **kwargs):
 def test_surplus_groups_are_carried_with_their_behaviour_logprobs(toy_model_path, small_train_dataset, make_args):
     # grpo (not DAPO) with dynamic sampling on, on-policy (one update per rollout): 3 of 4 groups qualify per round
     spec = get_variant("grpo")
-    args = make_args(spec.config_cls, max_steps=3, dynamic_sampling=True, reward_cache=False)
+    # whole-batch top-ups (verl's rounds), so that a round's surplus is large enough to carry several groups
+    args = make_args(spec.config_cls, max_steps=3, dynamic_sampling=True, reward_cache=False,
+                     dynamic_sampling_topup="full")
     trainer = spec.trainer_cls(model=toy_model_path, reward_funcs=_three_of_four_groups_vary, args=args,
                                train_dataset=small_train_dataset)
     batches, carried = [], []
@@ -345,6 +351,9 @@ def test_grpo_with_dynamic_sampling_resumes_exactly(toy_kit, tmp_path):
 
     saved = torch.load(ckpt / STATE_FILE.format(rank=0), weights_only=True)
     assert saved["variant"]["dynamic_sampling_carried"] is not None  # 1 group carried after step 2
+    qualified, generated = saved["variant"]["dynamic_sampling_pass_counts"]  # the running pass rate the top-ups use
+    assert 0 < qualified < generated
+    assert saved["variant"]["token_ledger"]["dropped_by_filter"] > 0
     second = spec.trainer_cls(model=toy_kit.model_path, reward_funcs=_three_of_four_groups_vary,
                               args=args(tmp_path / "b"), train_dataset=data)
     second.train(resume_from_checkpoint=str(ckpt))
@@ -354,6 +363,8 @@ def test_grpo_with_dynamic_sampling_resumes_exactly(toy_kit, tmp_path):
     ref = [keep(r) for r in first.state.log_history if "loss" in r and r["step"] > 2]
     res = [keep(r) for r in second.state.log_history if "loss" in r and r["step"] > 2]
     assert res == ref and len(res) == 2
+    assert all("dynamic_sampling/running_pass_rate" in r and "token_fate/useful" in r for r in res)
+    assert second.token_ledger() == first.token_ledger()
     for (name, p), (_, q) in zip(first.model.named_parameters(), second.model.named_parameters()):
         assert torch.equal(p, q), name
 
@@ -444,10 +455,12 @@ def parity_reward(prompts, completions, **kwargs):
 
 
 @pytest.mark.slow
-def test_two_processes_keep_identical_groups(toy_model_path, tmp_path):
-    """``grpo`` with dynamic sampling on (the shared component), 2 processes over gloo, surplus groups carried."""
+@pytest.mark.parametrize("topup", ["full", "pass_rate"])
+def test_two_processes_keep_identical_groups(toy_model_path, tmp_path, topup):
+    """``grpo`` with dynamic sampling on (the shared component), 2 processes over gloo, surplus groups carried;
+    top-ups of a whole generation batch (verl) or sized from the running pass rate (groups straddling ranks)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), __file__, "--ddp-worker", str(tmp_path), toy_model_path]
+           str(_free_port()), __file__, "--ddp-worker", str(tmp_path), toy_model_path, topup]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -465,17 +478,36 @@ def test_two_processes_keep_identical_groups(toy_model_path, tmp_path):
             assert _first_operand(prompts[4 * g]) % 2 == 1, "a constant-reward group was kept"
         assert all(len(set(v)) > 1 for v in r0["values"])
         assert r0["num_items"] == r1["num_items"] == r0["mask_tokens_0"] + r1["mask_tokens_0"]
-    assert any(r["rounds"] > 1 for r in ranks[0]["rollouts"]), "never re-sampled: extra-prompt path untested"
     for r0, r1 in zip(ranks[0]["rollouts"], ranks[1]["rollouts"], strict=True):  # the carry is identical on both ranks
         assert (r0["carried_in"], r0["carried_out"]) == (r1["carried_in"], r1["carried_out"])
+        assert r0["round_groups"] == r1["round_groups"]  # every round the same size on both ranks
         assert r0["kept"] == 3 - r0["carried_in"] + r0["carried_out"]  # nothing that qualified was thrown away
     for previous, current in zip(ranks[0]["rollouts"], ranks[0]["rollouts"][1:]):
         assert current["carried_in"] == previous["carried_out"]
-    assert any(r["carried_in"] > 0 for r in ranks[0]["rollouts"]), "no group was carried: the carry path is untested"
     assert all(n == 6 for n in ranks[0]["loss_batch_sizes"] + ranks[1]["loss_batch_sizes"])
+    # every generate call: the same number of prompts on both ranks, the round's groups split evenly
+    sizes = [n for r in ranks[0]["rollouts"] for n in r["round_groups"]]
+    assert ranks[0]["generate_sizes"] == ranks[1]["generate_sizes"] == [4 * n // 2 for n in sizes]
+    if topup == "full":
+        assert any(r["rounds"] > 1 for r in ranks[0]["rollouts"]), "never re-sampled: extra-prompt path untested"
+        assert all(n == 3 for n in sizes)
+        assert any(r["carried_in"] > 0 for r in ranks[0]["rollouts"]), "no group was carried: the carry is untested"
+    else:
+        from grpo_variants.sampling import topup_groups
+
+        # each size is the rule's for the running rate the ranks agreed on (G = 4 on 2 ranks: any group count)
+        assert ranks[0]["topups"] == ranks[1]["topups"]
+        for call in ranks[0]["topups"]:
+            rate = call["running"] if call["batch_rate"] is None else min(call["running"], call["batch_rate"])
+            assert call["n"] == topup_groups(call["deficit"], rate, margin=1.0, min_groups=1, max_groups=3,
+                                             already=call["already"])
+        # some top-up was smaller than a generation batch: 4 * n rows, n < 3, split 2 * n per rank (a group of 4
+        # straddles the ranks when n is odd)
+        assert any(n < 3 for r in ranks[0]["rollouts"] for n in r["round_groups"][1:]) or \
+            any(r["round_groups"][0] > 3 for r in ranks[0]["rollouts"]), "no sized top-up: the path is untested"
 
 
-def _ddp_worker(out_dir: str, model_path: str) -> None:
+def _ddp_worker(out_dir: str, model_path: str, topup: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
     from conftest import tiny_args
@@ -484,7 +516,7 @@ def _ddp_worker(out_dir: str, model_path: str) -> None:
     spec = get_variant("grpo")
     args = tiny_args(spec.config_cls, output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=6,
                      num_generations=4, max_steps=4, max_num_gen_batches=0, dynamic_sampling=True,
-                     reward_cache=False)
+                     reward_cache=False, dynamic_sampling_topup=topup)
     data = toy.make_dataset(n=240)
 
     class Worker(spec.trainer_cls):
@@ -492,7 +524,8 @@ def _ddp_worker(out_dir: str, model_path: str) -> None:
             texts = self.processing_class.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
             record = {"global_prompts": texts, "group_ids": info.group_ids, "rounds": info.rounds,
                       "values": info.values.tolist(), "carried_in": info.groups_carried_in,
-                      "carried_out": info.groups_carried_out, "kept": info.groups_kept}
+                      "carried_out": info.groups_carried_out, "kept": info.groups_kept,
+                      "round_groups": info.round_groups}
             log["rollouts"].append(record)
 
         def _local_slice(self, full, local):
@@ -505,21 +538,28 @@ def _ddp_worker(out_dir: str, model_path: str) -> None:
 
         def _generate(self, prompts):
             log["generate_calls"] += 1
+            log["generate_sizes"].append(len(prompts))
             return super()._generate(prompts)
+
+        def _topup_size(self, deficit, already=0, batch_rate=None):
+            n = super()._topup_size(deficit, already=already, batch_rate=batch_rate)
+            log["topups"].append({"deficit": deficit, "already": already, "batch_rate": batch_rate,
+                                  "running": self.running_pass_rate, "n": n})
+            return n
 
         def _compute_loss(self, model, inputs):
             log["loss_batch_sizes"].append(int(inputs["completion_ids"].size(0)))
             return super()._compute_loss(model, inputs)
 
-    log = {"rollouts": [], "generate_calls": 0, "loss_batch_sizes": []}
+    log = {"rollouts": [], "generate_calls": 0, "loss_batch_sizes": [], "generate_sizes": [], "topups": []}
     trainer = Worker(model=model_path, reward_funcs=parity_reward, args=args, train_dataset=data)
     assert trainer.accelerator.num_processes == 2
     trainer.train()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(log))
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--ddp-worker":
-    _ddp_worker(sys.argv[2], sys.argv[3])
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--ddp-worker":
+    _ddp_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     from conftest import exit_without_teardown
 
     exit_without_teardown()

@@ -15,7 +15,9 @@ What it computes (``docs/algorithms.md``, "DAPO"):
 * **Dynamic sampling** (:mod:`grpo_variants.sampling`, an option of every variant): drop every group
   whose accuracy is 0 or 1, re-sample until the batch is full, retry cap ``max_num_gen_batches = 10``
   (verl). Beyond the paper, surplus qualifying groups are carried to the next batch instead of cut
-  (``dynamic_sampling_surplus="carry"``; ``"discard"`` is the paper's cut).
+  (``dynamic_sampling_surplus="carry"``; ``"discard"`` is the paper's cut), and top-ups are sized from
+  the running pass rate to the deficit (``dynamic_sampling_topup="pass_rate"``; ``"full"``: verl's whole
+  generation batch per extra round).
 * **Overlong reward shaping** (eq. 13), added to the correctness reward: with ``overlong_penalty``
   on, a reward named ``overlong_penalty`` is appended automatically with L_max =
   ``max_completion_length`` and L_cache = ``overlong_buffer_len`` (default 20% of L_max, the paper's
