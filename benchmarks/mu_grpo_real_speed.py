@@ -15,7 +15,7 @@ other), rollout sequences/s and tokens/s. One seed, arms run back to back: indic
 distribution. No held-out evaluation: these few updates say nothing about accuracy.
 
     python benchmarks/mu_grpo_real_speed.py                  # 8 updates of 16 completions per arm
-    python benchmarks/mu_grpo_real_speed.py --quick          # pipeline check (1-2 updates, 8 tokens)
+    python benchmarks/mu_grpo_real_speed.py --quick          # pipeline check (2 updates, 8 tokens; temp folder)
 
 Writes benchmarks/results/mu_grpo_real_speed.json and .md.
 """
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --quick: a temporary one)")
     opts = ap.parse_args(argv)
     if opts.quick:
         opts.updates, opts.max_new_tokens = 2, 8
@@ -153,12 +153,12 @@ def main(argv=None) -> int:
     model = str(smollm2())
     dataset = word_problems.make_dataset("train", 2000, seed=opts.seed)
     result = dict(created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch_threads=torch.get_num_threads(),
-                  load_start=round(os.getloadavg()[0], 2), options=vars(opts),
+                  load_start=round(os.getloadavg()[0], 2), options={k: v for k, v in vars(opts).items() if k != "out"},
                   command="python benchmarks/mu_grpo_real_speed.py" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
                   runs=[])
-    out = Path(opts.out)
+    out = Path(opts.out or (tempfile.mkdtemp(prefix="mu-real-quick-") if opts.quick else HERE / "results"))
     out.mkdir(parents=True, exist_ok=True)
-    name = "mu_grpo_real_speed" + ("_quick" if opts.quick else "")
+    name = "mu_grpo_real_speed"
     for arm in [a for a in opts.arms.split(",") if a]:
         run = run_arm(arm, model, dataset, opts)
         print(f"[mu_grpo_real_speed {time.strftime('%H:%M:%S')}] {arm}: wall {run['wall_seconds']:.1f} s, CPU "

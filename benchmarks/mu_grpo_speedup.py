@@ -463,6 +463,16 @@ def _reading(settings: list[dict], opts) -> list[str]:
             f"{_pct(m['veto_fraction'], 3)}. "
             + "; ".join(f"{LABELS[a]}: {_acc_text(s[a])}, {s[a]['end_to_end_speedup']:.2f}x"
                         for a in STAGE_ARMS if a in s and a != "mu_grpo") + ".")
+        gains = ", ".join(f"{LABELS[a]} {100 * (s[a]['final_accuracy'] - s[a]['initial_accuracy']):+.1f}"
+                          for a in STAGE_ARMS if a in s)
+        out.append(f"- µ = {s['mu']}: gain over the start, points: on-policy {100 * gain:+.1f}; {gains}.")
+        relaxed = s.get("relaxed_no_veto")
+        if not m["veto_fraction"] and relaxed and relaxed["final_accuracy_per_seed"] == m["final_accuracy_per_seed"]:
+            out.append(f"- µ = {s['mu']}: the veto never fired at threshold {opts.veto_threshold:g} (no "
+                       "negative-advantage token's ratio fell below it), so µ-GRPO ran exactly the updates of relaxed "
+                       "clipping without veto "
+                       "(the same accuracy on every seed); whether the veto matters is the ablation's question "
+                       "(`mu_grpo_ablation*.md`, raised thresholds).")
     return out
 
 
