@@ -479,7 +479,8 @@ def _reading(settings: list[dict], opts) -> list[str]:
 def _render(out: Path, name: str, runs: list[dict], opts, meta: dict) -> dict:
     settings = [summarise(runs, p) for p in opts.passes]
     head = settings[0]
-    meta = {**meta, "load_end": round(os.getloadavg()[0], 2), "reading": _reading(settings, opts)}
+    # a re-render (--from-json) keeps the run's own load_end
+    meta = {"load_end": round(os.getloadavg()[0], 2), **meta, "reading": _reading(settings, opts)}
     mu = head.get("mu_grpo", {})
     result = {
         "meta": meta,
