@@ -43,18 +43,20 @@ def toy_run_config(output_dir: str, seed: int, batch: int, group: int, lr: float
 
 
 class HeldOutEval(TrainerCallback):
-    """Held-out greedy accuracy (``toy.evaluate``) at the start, every ``every_steps`` optimizer steps or
-    every ``every_tokens`` generated tokens, and at the end.
+    """Held-out greedy accuracy (``toy.evaluate``, or ``evaluate(model, tokenizer)`` when given) at the start,
+    every ``every_steps`` optimizer steps or every ``every_tokens`` generated tokens, and at the end.
 
     ``curve`` records (generated tokens, step, training seconds, accuracy); the time spent evaluating
     (wall and process CPU) is excluded from the training seconds and kept in ``eval_seconds`` /
     ``eval_cpu_seconds``. ``toy.evaluate`` leaves the training RNG untouched.
     """
 
-    def __init__(self, trainer, eval_dataset, every_steps: int | None = None, every_tokens: int | None = None):
+    def __init__(self, trainer, eval_dataset, every_steps: int | None = None, every_tokens: int | None = None,
+                 evaluate=None):
         if (every_steps is None) == (every_tokens is None):
             raise ValueError("give exactly one of every_steps / every_tokens")
         self.trainer, self.eval_dataset = trainer, eval_dataset
+        self.evaluate = evaluate or (lambda model, tokenizer: toy.evaluate(model, eval_dataset, tokenizer))
         self.every_steps, self.every_tokens = every_steps, every_tokens
         self.curve: list[dict] = []
         self.eval_seconds = 0.0
@@ -67,7 +69,7 @@ class HeldOutEval(TrainerCallback):
 
     def _evaluate(self, state) -> None:
         start, cpu = time.perf_counter(), time.process_time()
-        accuracy = toy.evaluate(self.trainer.model, self.eval_dataset, self.trainer.processing_class)
+        accuracy = self.evaluate(self.trainer.model, self.trainer.processing_class)
         self.eval_seconds += time.perf_counter() - start
         self.eval_cpu_seconds += time.process_time() - cpu
         seconds = time.perf_counter() - self._start - self.eval_seconds

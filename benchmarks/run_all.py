@@ -36,7 +36,8 @@ ORDER = [
 
 
 # results/<name>.md files shown in the README, in this order (others follow alphabetically)
-RESULTS_ORDER = ["overhead", "variants", "lab_comparison", "reasoning", "reasoning_grpo", "dapo", "mu_grpo", "code_reward", "gpu_check"]
+RESULTS_ORDER = ["overhead", "variants", "lab_comparison", "reasoning", "reasoning_grpo", "dapo", "mu_grpo",
+                 "mu_grpo_mu20", "mu_grpo_real_speed", "code_reward", "gpu_check"]
 RESULT_SOURCES = {
     "overhead": "overhead.py",
     "variants": "variants.py",
@@ -45,6 +46,8 @@ RESULT_SOURCES = {
     "reasoning_grpo": "reasoning.py",
     "dapo": "dapo_vs_grpo.py",
     "mu_grpo": "mu_grpo_speedup.py",
+    "mu_grpo_mu20": "mu_grpo_speedup.py",
+    "mu_grpo_real_speed": "mu_grpo_real_speed.py",
     "code_reward": "code_reward_throughput.py",
     "gpu_check": "gpu_check.py",
 }

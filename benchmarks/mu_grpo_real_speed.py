@@ -1,0 +1,177 @@
+"""µ-GRPO stage speed on the real SmolLM2-135M-Instruct (speed only, no accuracy): on-policy GRPO vs stages.
+
+A full accuracy comparison on this model does not fit a shared CPU (30 GRPO steps took 63 min,
+``real_model.md``), so this measures only where the time goes for the same number of optimizer updates of
+the same completions per update, on ``grpo_variants.word_problems`` with the ``math_accuracy`` reward:
+
+* ``on_policy_grpo``: one rollout of ``--batch`` completions per update (µ = 1);
+* ``stage_batching``: µ-GRPO stages of ``--updates`` x batch completions generated at once, each response
+  used once (the same sequences as on-policy GRPO: the gain of stage-sized generation alone);
+* ``stage_reuse``: stages of half that, each response used twice (half the sequences).
+
+Both stage arms run µ-GRPO's loss ([0, 5] + H_kappa veto). Per arm: training wall and process CPU
+seconds, time per phase (generation, reward, behaviour-log-prob passes, rest of the rollout, update +
+other), rollout sequences/s and tokens/s. One seed, arms run back to back: indicative, not a
+distribution. No held-out evaluation: these few updates say nothing about accuracy.
+
+    python benchmarks/mu_grpo_real_speed.py                  # 8 updates of 16 completions per arm
+    python benchmarks/mu_grpo_real_speed.py --quick          # pipeline check (2 updates, 8 tokens; temp folder)
+
+Writes benchmarks/results/mu_grpo_real_speed.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+from _common import time_rollouts  # noqa: E402  (sets the offline environment first)
+
+import torch  # noqa: E402
+
+from grpo_variants import (  # noqa: E402
+    GRPOVariantConfig,
+    GRPOVariantTrainer,
+    MuGRPOConfig,
+    MuGRPOTrainer,
+    word_problems,
+)
+from grpo_variants.models import smollm2  # noqa: E402
+
+ARMS = ("on_policy_grpo", "stage_batching", "stage_reuse")
+PHASES = ("generation", "reward", "logprobs", "rollout_other", "update_other")
+
+
+def build(arm: str, model: str, dataset, opts, output_dir: str):
+    common = dict(output_dir=output_dir, per_device_train_batch_size=opts.batch, num_generations=opts.group,
+                  max_completion_length=opts.max_new_tokens, learning_rate=opts.lr, lr_scheduler_type="constant",
+                  warmup_steps=0, beta=0.0, max_steps=opts.updates, logging_steps=1, save_strategy="no",
+                  report_to="none", bf16=False, gradient_checkpointing=False, seed=opts.seed, data_seed=opts.seed,
+                  dataloader_num_workers=0, disable_tqdm=True, loss_type="grpo", scale_rewards="group")
+    if arm == "on_policy_grpo":
+        return GRPOVariantTrainer(model=model, reward_funcs="math_accuracy",
+                                  args=GRPOVariantConfig(epsilon=0.2, **common), train_dataset=dataset)
+    passes = 1 if arm == "stage_batching" else 2
+    stage_completions = opts.updates * opts.batch // passes
+    config = MuGRPOConfig(relaxed_clip=True, mu_clip_lower=0.0, mu_clip_upper=5.0, veto_scope="H_kappa",
+                          stage_prompts=stage_completions // opts.group, updates_per_stage=opts.updates, **common)
+    return MuGRPOTrainer(model=model, reward_funcs="math_accuracy", args=config, train_dataset=dataset)
+
+
+def run_arm(arm: str, model: str, dataset, opts) -> dict:
+    torch.manual_seed(opts.seed)
+    with tempfile.TemporaryDirectory(prefix=f"mu-real-{arm}-") as tmp:
+        trainer = build(arm, model, dataset, opts, tmp)
+        rollout = time_rollouts(trainer)
+        start, cpu = time.perf_counter(), time.process_time()
+        trainer.train()
+        wall, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        tokens = int(trainer._tokens_generated_total)
+    history = trainer.state.log_history
+    phase = {p: sum(r[f"time/{p}_s"] for r in history if f"time/{p}_s" in r)
+             for p in ("generation", "reward", "logprobs")}
+    phase["rollout_other"] = max(rollout["seconds"] - sum(phase.values()), 0.0)
+    phase["update_other"] = max(wall - rollout["seconds"], 0.0)
+    return dict(
+        arm=arm, wall_seconds=round(wall, 2), cpu_seconds=round(cpu_seconds, 2),
+        phase_seconds={k: round(v, 2) for k, v in phase.items()}, rollouts=rollout["calls"],
+        sequences=rollout["sequences"], generated_tokens=tokens, optimizer_steps=trainer.state.global_step,
+        sequences_per_second=rollout["sequences"] / max(rollout["seconds"], 1e-9),
+        tokens_per_second=tokens / max(rollout["seconds"], 1e-9),
+        generate_only_sequences_per_second=rollout["sequences"] / max(phase["generation"], 1e-9),
+        behaviour_logprobs_recorded=sum(1 for r in history if "rollout_logprobs/recorded" in r),
+    )
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    o = result["options"]
+    runs = {r["arm"]: r for r in result["runs"]}
+    on = runs["on_policy_grpo"]
+    labels = {"on_policy_grpo": "on-policy GRPO (µ=1)",
+              "stage_batching": f"µ-GRPO stage, 1 pass (µ={o['updates']}, same sequences)",
+              "stage_reuse": f"µ-GRPO stage, 2 passes (µ={o['updates']}, half the sequences)"}
+    arms = [a for a in ARMS if a in runs]
+    row = lambda name, f: "| " + name + " | " + " | ".join(f(runs[a]) for a in arms) + " |"  # noqa: E731
+    lines = [
+        "# µ-GRPO stage speed on the real SmolLM2-135M-Instruct (speed only)",
+        "",
+        f"Generated by `benchmarks/mu_grpo_real_speed.py` on {result['created']}. **Speed only: no accuracy is "
+        f"measured** ({o['updates']} updates say nothing about it; see `mu_grpo.md` for accuracy on the toy chain "
+        f"task). SmolLM2-135M-Instruct (float32, HF generate), `word_problems` with `math_accuracy`, {o['updates']} "
+        f"optimizer updates of {o['batch']} completions ({o['batch'] // o['group']} prompts x {o['group']}) per arm, "
+        f"≤ {o['max_new_tokens']} new tokens, lr {o['lr']:g}, beta 0, seed {o['seed']}; torch threads "
+        f"{result['torch_threads']} on a 2-core machine shared with other jobs (load average at start / end "
+        f"{result['load_start']} / {result['load_end']}); one run per arm, back to back: indicative, not a "
+        "distribution.",
+        "",
+        "| metric | " + " | ".join(labels[a] for a in arms) + " |",
+        "|---|" + "---|" * len(arms),
+        row("training wall seconds", lambda r: f"{r['wall_seconds']:.1f}"),
+        row("speed-up vs on-policy (wall)", lambda r: f"{on['wall_seconds'] / r['wall_seconds']:.2f}x"),
+        row("training CPU seconds (this process)", lambda r: f"{r['cpu_seconds']:.1f}"),
+        row("speed-up vs on-policy (CPU)", lambda r: f"{on['cpu_seconds'] / r['cpu_seconds']:.2f}x"),
+        *[row(f"  {p.replace('_', ' ')} s", lambda r, p=p: f"{r['phase_seconds'][p]:.1f}") for p in PHASES],
+        row("rollouts", lambda r: str(r["rollouts"])),
+        row("sequences generated", lambda r: str(r["sequences"])),
+        row("tokens generated", lambda r: f"{r['generated_tokens']:,}"),
+        row("rollout sequences/s", lambda r: f"{r['sequences_per_second']:.2f}"),
+        row("rollout tokens/s", lambda r: f"{r['tokens_per_second']:.1f}"),
+        row("HF generate only sequences/s", lambda r: f"{r['generate_only_sequences_per_second']:.2f}"),
+        row("behaviour log-probs recorded in generate (rollouts)", lambda r: str(r["behaviour_logprobs_recorded"])),
+        "",
+        f"Command: `{result['command']}`.",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--updates", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=16, help="completions per update")
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --quick: a temporary one)")
+    opts = ap.parse_args(argv)
+    if opts.quick:
+        opts.updates, opts.max_new_tokens = 2, 8
+    if (opts.updates * opts.batch // 2) % opts.group or opts.batch % opts.group or opts.updates % 2:
+        ap.error("--updates must be even and --batch a multiple of --group (the reuse arm halves the stage)")
+    torch.set_num_threads(opts.threads)
+    model = str(smollm2())
+    dataset = word_problems.make_dataset("train", 2000, seed=opts.seed)
+    result = dict(created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch_threads=torch.get_num_threads(),
+                  load_start=round(os.getloadavg()[0], 2), options={k: v for k, v in vars(opts).items() if k != "out"},
+                  command="python benchmarks/mu_grpo_real_speed.py" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
+                  runs=[])
+    out = Path(opts.out or (tempfile.mkdtemp(prefix="mu-real-quick-") if opts.quick else HERE / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    name = "mu_grpo_real_speed"
+    for arm in [a for a in opts.arms.split(",") if a]:
+        run = run_arm(arm, model, dataset, opts)
+        print(f"[mu_grpo_real_speed {time.strftime('%H:%M:%S')}] {arm}: wall {run['wall_seconds']:.1f} s, CPU "
+              f"{run['cpu_seconds']:.1f} s, phases {run['phase_seconds']}, {run['sequences_per_second']:.2f} seq/s",
+              flush=True)
+        result["runs"].append(run)
+        result["load_end"] = round(os.getloadavg()[0], 2)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        if "on_policy_grpo" in {r["arm"] for r in result["runs"]}:
+            write_markdown(out / f"{name}.md", result)
+    print((out / f"{name}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
