@@ -111,3 +111,43 @@ def time_rollouts(trainer) -> dict:
 
     trainer._generate_and_score_completions = timed_rollout
     return rollout
+
+
+def mu_arm_fields(arm: str, adaptive_target: float | None = None) -> dict:
+    """``MuGRPOConfig`` fields of a stage arm of the µ-GRPO benchmarks (the stage sizing comes separately).
+
+    ``naive_large_mu``: standard clipping [0.8, 1.2], no veto; ``relaxed_no_veto``: [0, 5], no veto;
+    ``mu_grpo``: [0, 5] + H_kappa veto (the paper); ``veto_<scope>``: [0, 5] + that veto scope;
+    ``adaptive_mu_grpo``: the adaptive trust region (``adaptive_target``) + H_kappa veto. ``veto_H_kappa`` and
+    ``adaptive_H_kappa`` are the ablation's names for the last two.
+    """
+    relaxed = dict(relaxed_clip=True, mu_clip_lower=0.0, mu_clip_upper=5.0)
+    if arm == "naive_large_mu":
+        return dict(relaxed_clip=False, epsilon=0.2, veto_scope=None)
+    if arm == "relaxed_no_veto":
+        return dict(relaxed, veto_scope=None)
+    if arm in ("mu_grpo", "veto_H_kappa"):
+        return dict(relaxed, veto_scope="H_kappa")
+    if arm.startswith("veto_"):
+        return dict(relaxed, veto_scope=arm[len("veto_"):])
+    if arm in ("adaptive_mu_grpo", "adaptive_H_kappa"):
+        return dict(relaxed, veto_scope="H_kappa", adaptive_clip_target=adaptive_target)
+    raise ValueError(f"unknown µ-GRPO benchmark arm {arm!r}")
+
+
+def timed_train(trainer, evaluator: HeldOutEval | None = None) -> dict:
+    """Run ``trainer.train()`` and return its training ``wall`` / ``cpu`` seconds (evaluation by ``evaluator``
+    excluded), the ``rollout`` timings of :func:`time_rollouts` and the ``phase`` seconds: generation, reward
+    and log-prob passes (the trainer's ``time/*_s`` metrics), the rest of the rollout, and update + other."""
+    rollout = time_rollouts(trainer)
+    start, cpu = time.perf_counter(), time.process_time()
+    trainer.train()
+    wall, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    if evaluator is not None:
+        wall, cpu_seconds = wall - evaluator.eval_seconds, cpu_seconds - evaluator.eval_cpu_seconds
+    history = trainer.state.log_history
+    phase = {name: sum(r[f"time/{name}_s"] for r in history if f"time/{name}_s" in r)
+             for name in ("generation", "reward", "logprobs")}
+    phase["rollout_other"] = max(rollout["seconds"] - sum(phase.values()), 0.0)
+    phase["update_other"] = max(wall - rollout["seconds"], 0.0)
+    return dict(wall=wall, cpu=cpu_seconds, rollout=rollout, phase=phase)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from _common import time_rollouts, toy_run_config  # noqa: E402  (sets the offline environment first)
+from _common import mu_arm_fields, timed_train, toy_run_config  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
 
@@ -69,17 +69,7 @@ def build(arm: str, kit, opts, seed: int, output_dir: str):
         return GRPOVariantTrainer(model=kit.model_path, reward_funcs=kit.reward, args=GRPOVariantConfig(
             epsilon=0.2, **common), train_dataset=kit.train_dataset)
     stage = dict(stage_prompts=opts.stage_prompts, updates_per_stage=opts.updates, veto_threshold=opts.threshold)
-    if arm == "naive_large_mu":
-        config = MuGRPOConfig(relaxed_clip=False, epsilon=0.2, veto_scope=None, **stage, **common)
-    elif arm == "relaxed_no_veto":
-        config = MuGRPOConfig(relaxed_clip=True, veto_scope=None, **stage, **common)
-    elif arm.startswith("veto_"):
-        config = MuGRPOConfig(relaxed_clip=True, veto_scope=arm[len("veto_"):], **stage, **common)
-    elif arm == "adaptive_H_kappa":
-        config = MuGRPOConfig(relaxed_clip=True, veto_scope="H_kappa", adaptive_clip_target=opts.adaptive_target,
-                              **stage, **common)
-    else:
-        raise ValueError(arm)
+    config = MuGRPOConfig(**mu_arm_fields(arm, opts.adaptive_target), **stage, **common)
     return MuGRPOTrainer(model=kit.model_path, reward_funcs=kit.reward, args=config, train_dataset=kit.train_dataset)
 
 
@@ -99,10 +89,8 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int, initial: float) -> dic
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix=f"mu-ablation-{arm}-") as tmp:
         trainer = build(arm, kit, opts, seed, tmp)
-        rollout = time_rollouts(trainer)
-        start, cpu = time.perf_counter(), time.process_time()
-        trainer.train()
-        wall, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        timed = timed_train(trainer)
+        wall, cpu_seconds, rollout = timed["wall"], timed["cpu"], timed["rollout"]
         final = _accuracy(trainer.model, trainer.processing_class, eval_dataset, kit)
     history = trainer.state.log_history
     n = len(eval_dataset)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from _common import time_rollouts  # noqa: E402  (sets the offline environment first)
+from _common import timed_train  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
 
@@ -69,16 +69,10 @@ def run_arm(arm: str, model: str, dataset, opts) -> dict:
     torch.manual_seed(opts.seed)
     with tempfile.TemporaryDirectory(prefix=f"mu-real-{arm}-") as tmp:
         trainer = build(arm, model, dataset, opts, tmp)
-        rollout = time_rollouts(trainer)
-        start, cpu = time.perf_counter(), time.process_time()
-        trainer.train()
-        wall, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        timed = timed_train(trainer)
         tokens = int(trainer._tokens_generated_total)
     history = trainer.state.log_history
-    phase = {p: sum(r[f"time/{p}_s"] for r in history if f"time/{p}_s" in r)
-             for p in ("generation", "reward", "logprobs")}
-    phase["rollout_other"] = max(rollout["seconds"] - sum(phase.values()), 0.0)
-    phase["update_other"] = max(wall - rollout["seconds"], 0.0)
+    wall, cpu_seconds, rollout, phase = timed["wall"], timed["cpu"], timed["rollout"], timed["phase"]
     return dict(
         arm=arm, wall_seconds=round(wall, 2), cpu_seconds=round(cpu_seconds, 2),
         phase_seconds={k: round(v, 2) for k, v in phase.items()}, rollouts=rollout["calls"],

@@ -49,7 +49,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from _common import HeldOutEval, time_rollouts, toy_run_config  # noqa: E402  (sets the offline environment first)
+from _common import HeldOutEval, mu_arm_fields, timed_train, toy_run_config  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
 
@@ -85,20 +85,9 @@ def build(arm: str, kit, opts, seed: int, output_dir: str):
                                   args=GRPOVariantConfig(epsilon=0.2, **common), train_dataset=kit.train_dataset)
     stage = dict(stage_prompts=opts.stage_prompts, updates_per_stage=opts.mu,
                  generation_chunk_prompts=opts.chunk_prompts)
-    if arm == "naive_large_mu":
-        config = MuGRPOConfig(relaxed_clip=False, epsilon=0.2, veto_scope=None, **stage, **common)
-    elif arm == "relaxed_no_veto":
-        config = MuGRPOConfig(relaxed_clip=True, mu_clip_lower=0.0, mu_clip_upper=5.0, veto_scope=None,
-                              veto_threshold=opts.veto_threshold, **stage, **common)
-    elif arm == "mu_grpo":
-        config = MuGRPOConfig(relaxed_clip=True, mu_clip_lower=0.0, mu_clip_upper=5.0, veto_scope="H_kappa",
-                              veto_threshold=opts.veto_threshold, **stage, **common)
-    elif arm == "adaptive_mu_grpo":
-        config = MuGRPOConfig(relaxed_clip=True, mu_clip_lower=0.0, mu_clip_upper=5.0, veto_scope="H_kappa",
-                              veto_threshold=opts.veto_threshold, adaptive_clip_target=opts.adaptive_target,
-                              **stage, **common)
-    else:
-        raise ValueError(arm)
+    if arm != "naive_large_mu":
+        stage["veto_threshold"] = opts.veto_threshold
+    config = MuGRPOConfig(**mu_arm_fields(arm, opts.adaptive_target), **stage, **common)
     return MuGRPOTrainer(model=kit.model_path, reward_funcs=kit.reward, args=config, train_dataset=kit.train_dataset)
 
 
@@ -121,16 +110,10 @@ def run_arm(arm: str, kit, eval_dataset, opts, seed: int) -> dict:
         trainer = build(arm, kit, opts, seed, tmp)
         evaluator = HeldOutEval(trainer, eval_dataset, every_steps=opts.eval_every, evaluate=accuracy)
         trainer.add_callback(evaluator)
-        rollout = time_rollouts(trainer)
-        start, cpu = time.perf_counter(), time.process_time()
-        trainer.train()
-        wall = time.perf_counter() - start - evaluator.eval_seconds
-        cpu_seconds = time.process_time() - cpu - evaluator.eval_cpu_seconds
+        timed = timed_train(trainer, evaluator)
         tokens = int(trainer._tokens_generated_total)
     history = trainer.state.log_history
-    phase = {name: sum(_values(history, f"time/{name}_s")) for name in ("generation", "reward", "logprobs")}
-    phase["rollout_other"] = max(rollout["seconds"] - sum(phase.values()), 0.0)
-    phase["update_other"] = max(wall - rollout["seconds"], 0.0)
+    wall, cpu_seconds, rollout, phase = timed["wall"], timed["cpu"], timed["rollout"], timed["phase"]
     n_eval = len(eval_dataset)
     final = evaluator.curve[-1]["accuracy"]
     return dict(
