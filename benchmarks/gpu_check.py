@@ -83,7 +83,7 @@ def build_tokenizer(vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from grpo_variants.toy import ASSISTANT, BOS, CHARS, EOS, PAD, SPECIAL_TOKENS, UNK, USER
+    from grpo_variants.tasks.toy import ASSISTANT, BOS, CHARS, EOS, PAD, SPECIAL_TOKENS, UNK, USER
 
     base = SPECIAL_TOKENS + CHARS
     vocab = {tok: i for i, tok in enumerate(base)}
@@ -141,7 +141,7 @@ def build_model_folder(shape: str, folder: Path, device: str) -> Path:
 def make_dataset(prompt_len: int, vocab_size: int, n: int = 512, seed: int = 0):
     from datasets import Dataset
 
-    from grpo_variants.toy import CHARS, SPECIAL_TOKENS
+    from grpo_variants.tasks.toy import CHARS, SPECIAL_TOKENS
 
     rng = random.Random(seed)
     filler = vocab_size - len(SPECIAL_TOKENS) - len(CHARS)
@@ -167,7 +167,7 @@ def run_config(run: dict, opts, model_path: str, dataset) -> dict:
     import torch
 
     from grpo_variants import get_variant
-    from grpo_variants.scale import lora_config, qlora_model_init_kwargs, vllm_kwargs
+    from grpo_variants.runtime.scale import lora_config, qlora_model_init_kwargs, vllm_kwargs
 
     cuda = torch.cuda.is_available()
     spec = get_variant(run["variant"])
@@ -312,7 +312,7 @@ def _import_error(module: str, timeout: float = 180.0) -> str | None:
 
 
 def unavailable(run: dict) -> str | None:
-    from grpo_variants.scale import qlora_unavailable_reason, vllm_unavailable_reason
+    from grpo_variants.runtime.scale import qlora_unavailable_reason, vllm_unavailable_reason
 
     if run.get("vllm"):
         return _import_error("vllm") or vllm_unavailable_reason()

@@ -44,7 +44,7 @@ from _common import mu_arm_fields, timed_train, toy_run_config  # noqa: E402  (s
 import torch  # noqa: E402
 
 from grpo_variants import GRPOVariantConfig, GRPOVariantTrainer, MuGRPOConfig, MuGRPOTrainer, toy  # noqa: E402
-from grpo_variants import toy_reasoning  # noqa: E402
+from grpo_variants.tasks import toy_reasoning  # noqa: E402
 
 # Run order = priority (a run cut short keeps the main comparison): the scopes T / S_kappa / S_seq come last.
 ARMS = ("on_policy_grpo", "naive_large_mu", "relaxed_no_veto", "veto_H_kappa", "adaptive_H_kappa", "veto_T",

@@ -2,7 +2,7 @@
 
 A full accuracy comparison on this model does not fit a shared CPU (30 GRPO steps took 63 min,
 ``real_model.md``), so this measures only where the time goes for the same number of optimizer updates of
-the same completions per update, on ``grpo_variants.word_problems`` with the ``math_accuracy`` reward:
+the same completions per update, on ``grpo_variants.tasks.word_problems`` with the ``math_accuracy`` reward:
 
 * ``on_policy_grpo``: one rollout of ``--batch`` completions per update (µ = 1);
 * ``stage_batching``: µ-GRPO stages of ``--updates`` x batch completions generated at once, each response
@@ -43,7 +43,7 @@ from grpo_variants import (  # noqa: E402
     MuGRPOTrainer,
     word_problems,
 )
-from grpo_variants.models import smollm2  # noqa: E402
+from grpo_variants.tasks.models import smollm2  # noqa: E402
 
 ARMS = ("on_policy_grpo", "stage_batching", "stage_reuse")
 PHASES = ("generation", "reward", "logprobs", "rollout_other", "update_other")

@@ -54,7 +54,7 @@ from _common import HeldOutEval, mu_arm_fields, timed_train, toy_run_config  # n
 import torch  # noqa: E402
 
 from grpo_variants import GRPOVariantConfig, GRPOVariantTrainer, MuGRPOConfig, MuGRPOTrainer, toy  # noqa: E402
-from grpo_variants import toy_reasoning  # noqa: E402
+from grpo_variants.tasks import toy_reasoning  # noqa: E402
 
 ARMS = ("on_policy_grpo", "naive_large_mu", "relaxed_no_veto", "mu_grpo", "adaptive_mu_grpo")
 STAGE_ARMS = ARMS[1:]

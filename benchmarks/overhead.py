@@ -349,7 +349,7 @@ def memory_worker(kind: str, variant: str, steps: int, threads: int) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from grpo_variants import toy
+    from grpo_variants.tasks import toy
 
     torch.set_num_threads(threads)
     kit = toy.prepare(task="addition", verbose=False)
@@ -501,7 +501,7 @@ def main(argv=None) -> int:
     import torch
     import trl
 
-    from grpo_variants import toy
+    from grpo_variants.tasks import toy
 
     if args.threads:
         torch.set_num_threads(args.threads)

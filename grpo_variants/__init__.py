@@ -5,16 +5,20 @@
 Variants: grpo, dapo, dr_grpo, gspo, gspo_token, mu_grpo, igrpo, fipo (``list_variants()``).
 """
 
-from grpo_variants.noise import install_noise_filters
+from grpo_variants import _aliases
 
-install_noise_filters()  # before DeepSpeed / torch are imported (see grpo_variants.noise)
+_aliases.install()  # old flat import paths (grpo_variants.toy, .sampling, ...) name the moved modules
 
-from grpo_variants.distributed import install_cpu_distributed_shim  # noqa: E402
+from grpo_variants.runtime.noise import install_noise_filters  # noqa: E402
+
+install_noise_filters()  # before DeepSpeed / torch are imported (see grpo_variants.runtime.noise)
+
+from grpo_variants.runtime.distributed import install_cpu_distributed_shim  # noqa: E402
 
 install_cpu_distributed_shim()  # no-op unless a launcher started us on a machine without CUDA
 
-from grpo_variants import toy  # noqa: E402
-from grpo_variants import toy_reasoning  # noqa: E402,F401  (registers the chain task with the toy kit)
+from grpo_variants.tasks import toy  # noqa: E402
+from grpo_variants.tasks import toy_reasoning  # noqa: E402,F401  (registers the chain task with the toy kit)
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import (
     ConfigError,

@@ -77,7 +77,7 @@ class ToyEvalCallback(TrainerCallback):
         self.seconds = 0.0
 
     def _evaluate(self, model) -> float:
-        from grpo_variants.toy import evaluate
+        from grpo_variants.tasks.toy import evaluate
 
         return evaluate(model, self.eval_dataset, self.tokenizer, batch_size=self.batch_size)
 

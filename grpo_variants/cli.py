@@ -104,7 +104,7 @@ def _parser(spec, variant_given: bool):
 
 def _load_dataset(spec: str, split: str = "train", config_name: str | None = None, streaming: bool = False):
     """``toy``, ``toy:subtraction``, a ``save_to_disk`` folder, a json/jsonl/csv/parquet file, or a hub id."""
-    from grpo_variants import toy
+    from grpo_variants.tasks import toy
 
     if spec == "toy" or spec.startswith("toy:"):
         task = spec.split(":", 1)[1] if ":" in spec else "addition"
@@ -282,7 +282,7 @@ def cmd_train(argv: list[str]) -> int:
 def _run(spec, script, config, model_args, mixture, is_toy, announced, original_argv) -> int:
     from trl import get_peft_config, get_quantization_config
 
-    from grpo_variants import toy
+    from grpo_variants.tasks import toy
 
     if script.model and model_args.model_name_or_path and script.model != model_args.model_name_or_path:
         raise UsageError(f"--model {script.model!r} and --model_name_or_path {model_args.model_name_or_path!r} differ; "
@@ -313,7 +313,7 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
             rewards = ["toy_accuracy"]
             print("--model toy: reward toy_accuracy (pass --reward to choose another).")
     else:
-        from grpo_variants.models import resolve_model
+        from grpo_variants.tasks.models import resolve_model
 
         model_path = resolve_model(model)  # a path, a hub id, or a registered name such as "smollm2"
         if not rewards:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig
 
-from grpo_variants.adaptive_clip import check_adaptive_clip_composition, check_adaptive_clip_fields
+from grpo_variants.rollout.adaptive_clip import check_adaptive_clip_composition, check_adaptive_clip_fields
 from grpo_variants.errors import ConfigError
 from grpo_variants.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
-from grpo_variants.stages import derive_stage, take_over_batch_fields
+from grpo_variants.rollout.stages import derive_stage, take_over_batch_fields
 
 # TRL loss_type -> our aggregation name (the loss types whose policy term we compose ourselves)
 TRL_LOSS_TYPE_TO_AGGREGATION = {
@@ -120,7 +120,7 @@ class GRPOVariantConfig(GRPOConfig):
         default=True,
         metadata={"help": "FIPO: drop a response with more than one negative-advantage token in the dual-clip regime."},
     )
-    # ---- dynamic sampling (grpo_variants.sampling; any variant) ------------------------------
+    # ---- dynamic sampling (grpo_variants.rollout.sampling; any variant) ------------------------------
     dynamic_sampling: bool = field(
         default=False,
         metadata={"help": "Drop groups that carry no signal and re-sample until the batch is full (DAPO's dynamic "
@@ -181,7 +181,7 @@ class GRPOVariantConfig(GRPOConfig):
     dynamic_sampling_correct_threshold: float = field(
         default=0.0, metadata={"help": "Band-pass: a completion counts as correct when its value is > this."}
     )
-    # ---- stage rollouts (grpo_variants.stages; any variant) ----------------------------------
+    # ---- stage rollouts (grpo_variants.rollout.stages; any variant) ----------------------------------
     stage_prompts: int | None = field(
         default=None,
         metadata={"help": "Stage rollouts (µ-GRPO's stages, any variant): prompts sampled per stage (all processes "
@@ -205,7 +205,7 @@ class GRPOVariantConfig(GRPOConfig):
         default=True,
         metadata={"help": "After a stage's rollout: keep colocated vLLM asleep; with CUDA, gc + empty the cache."},
     )
-    # ---- adaptive trust region (grpo_variants.adaptive_clip; any variant with token ratios) --------
+    # ---- adaptive trust region (grpo_variants.rollout.adaptive_clip; any variant with token ratios) --------
     adaptive_clip_target: float | None = field(
         default=None,
         metadata={
@@ -304,7 +304,7 @@ class GRPOVariantConfig(GRPOConfig):
             self.epsilon_high = self.epsilon
         self._validate_variant_fields()
         if stage_request is not None:
-            derive_stage(self, stage_request)  # TRL's batch fields from the stage (grpo_variants.stages)
+            derive_stage(self, stage_request)  # TRL's batch fields from the stage (grpo_variants.rollout.stages)
         check_adaptive_clip_composition(self)
 
     def _checkpointing_under_its_new_name(self) -> None:

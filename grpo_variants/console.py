@@ -7,7 +7,7 @@
   with one short line per log. ``verbose=True`` in the config restores transformers' callbacks
   (the per-step dicts). Every metric still goes to ``metrics.jsonl`` and to ``report_to``.
 * :func:`summary_table` formats the end-of-run table (first -> last values, time, outputs).
-* Known-harmless third-party messages are filtered by :mod:`grpo_variants.noise`.
+* Known-harmless third-party messages are filtered by :mod:`grpo_variants.runtime.noise`.
 """
 
 from __future__ import annotations

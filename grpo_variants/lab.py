@@ -545,7 +545,7 @@ def compare(
     Args:
         variants: registered variant names (``grpo_variants.list_variants()``).
         task: a toy task (``"addition"``, ``"subtraction"``, ``"mixed"``) built with
-            :func:`grpo_variants.toy.prepare`, or any label when ``model`` / datasets / rewards are given.
+            :func:`grpo_variants.tasks.toy.prepare`, or any label when ``model`` / datasets / rewards are given.
         seeds: training seeds; every variant runs once per seed (same data order per seed).
         budget_tokens / budget_completions: the generation budget of each arm (at least one).
         overrides: ``{variant: {config field: value}}``, applied last for that variant.
@@ -560,7 +560,7 @@ def compare(
             -> float`` then gives held-out accuracy (without it the table has no eval_accuracy).
         presets: apply :func:`toy_preset` (µ-GRPO's stage size) on toy tasks.
     """
-    from grpo_variants import toy
+    from grpo_variants.tasks import toy
     from grpo_variants.registry import get_variant
 
     if budget_tokens is None and budget_completions is None:
@@ -581,7 +581,7 @@ def compare(
     if unknown:
         raise ConfigError(f"overrides names variants that are not compared: {sorted(unknown)}.")
 
-    from grpo_variants import toy_reasoning
+    from grpo_variants.tasks import toy_reasoning
 
     is_toy = model is None
     reasoning = is_toy and task in toy_reasoning.TASKS
@@ -608,7 +608,7 @@ def compare(
     else:
         if train_dataset is None or reward_funcs is None:
             raise ConfigError("a non-toy task needs model=, train_dataset= and reward_funcs=.")
-        from grpo_variants.models import resolve_model
+        from grpo_variants.tasks.models import resolve_model
 
         model = resolve_model(model)  # e.g. "smollm2" -> the prepared SmolLM2-135M-Instruct folder
         common = {"logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True}
@@ -735,7 +735,7 @@ _CONFIG_KEYS = (
 def _portable_model_name(model) -> str:
     """The model as recorded in a result: a toy-cache folder relative to the cache, so committed results
     name no path of the machine that produced them; anything else (a hub id, a user's folder) as given."""
-    from grpo_variants.toy import cache_dir
+    from grpo_variants.tasks.toy import cache_dir
 
     text = str(model)
     try:

@@ -9,17 +9,17 @@ The trainer wraps TRL rather than copying it:
   bias-corrected KL) it defers to ``super()._compute_loss``: with no variant chosen, the trainer
   behaves exactly like TRL's.
 * Rollouts go through ``super()._generate_and_score_completions``; variants and the rollout components
-  filter, extend or re-weight what it returns: dynamic sampling drops groups (:mod:`grpo_variants.sampling`),
-  a stage buffers a large rollout (:mod:`grpo_variants.stages`), the two-stage rollout rewrites prompts
-  from drafts (:mod:`grpo_variants.two_stage`).
+  filter, extend or re-weight what it returns: dynamic sampling drops groups (:mod:`grpo_variants.rollout.sampling`),
+  a stage buffers a large rollout (:mod:`grpo_variants.rollout.stages`), the two-stage rollout rewrites prompts
+  from drafts (:mod:`grpo_variants.rollout.two_stage`).
 * Inputs are checked at construction (:mod:`grpo_variants.validation`); reward functions are resolved by
   name and wrapped with clear errors (TRL's batch, no time limit by default).
 * Every step logs clip/veto/FIPO fractions, the useful-token fraction and per-phase timings
   (:mod:`grpo_variants.metrics`).
 * Off-policy steps cost no extra forward pass: the behaviour log-probs TRL would recompute are
-  recorded while HF generate samples (``behaviour_logprobs``, :mod:`grpo_variants.rollout_logprobs`),
+  recorded while HF generate samples (``behaviour_logprobs``, :mod:`grpo_variants.rollout.logprobs`),
   and the training loader fetches a generation batch once instead of at every micro-step
-  (:mod:`grpo_variants.loader`).
+  (:mod:`grpo_variants.rollout.loader`).
 """
 
 from __future__ import annotations
@@ -35,17 +35,17 @@ import torch
 from accelerate.utils import send_to_device
 from trl import GRPOConfig, GRPOTrainer
 
-from grpo_variants.adaptive_clip import adapted_loss_spec
+from grpo_variants.rollout.adaptive_clip import adapted_loss_spec
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
-from grpo_variants.loader import RepeatedFetchCache, RowBatch
+from grpo_variants.rollout.loader import RepeatedFetchCache, RowBatch
 from grpo_variants.losses import LossSpec, compute_policy_loss
 from grpo_variants.metrics import TOKEN_FATES, TrainerMetrics
 from grpo_variants.rewards.columns import check_reward_columns
-from grpo_variants.rollout_batch import FORWARD_KEYS as _FORWARD_KEYS
-from grpo_variants.rollout_logprobs import SampledLogprobRecorder
-from grpo_variants.sampling import DynamicSamplingMixin
-from grpo_variants.stages import StageRolloutMixin
+from grpo_variants.rollout.batch import FORWARD_KEYS as _FORWARD_KEYS
+from grpo_variants.rollout.logprobs import SampledLogprobRecorder
+from grpo_variants.rollout.sampling import DynamicSamplingMixin
+from grpo_variants.rollout.stages import StageRolloutMixin
 from grpo_variants.validation import (  # noqa: F401  (re-exported: the checks were importable from here)
     _HUB_ID,
     check_dataset,
@@ -191,7 +191,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         peft_config=None,
         **kwargs,
     ):
-        from grpo_variants.models import resolve_model  # lazy: `python -m grpo_variants.models` imports us
+        from grpo_variants.tasks.models import resolve_model  # lazy: `python -m grpo_variants.tasks.models` imports us
 
         model = resolve_model(model)  # a registered name ("smollm2") -> its prepared folder
         args = self._coerce_args(args, model)
@@ -292,7 +292,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
             )
         if args.dynamic_sampling and (self._overrides_rollout() or getattr(args, "stage_prompts", None) is not None):
             what = (f"{type(self).__name__} rewrites the rollout itself" if self._overrides_rollout()
-                    else f"stage_prompts={args.stage_prompts} makes it a stage rollout (grpo_variants.stages)")
+                    else f"stage_prompts={args.stage_prompts} makes it a stage rollout (grpo_variants.rollout.stages)")
             raise ConfigError(
                 f"dynamic_sampling=True composes with variants that keep TRL's rollout (grpo, dr_grpo, gspo, "
                 f"gspo_token, dapo, fipo); {what}. Set dynamic_sampling=False."
@@ -450,7 +450,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         finally:
             self._phase_time[phase] += time.perf_counter() - start
 
-    # ---- behaviour log-probs recorded during generation (grpo_variants.rollout_logprobs) ---------
+    # ---- behaviour log-probs recorded during generation (grpo_variants.rollout.logprobs) ---------
     def _rollout_logprobs_supported(self) -> bool:
         """Whether ``behaviour_logprobs`` asks for, and the rollout path allows, recording in generate."""
         mode = self.args.behaviour_logprobs
@@ -642,7 +642,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         fully_masked = mask.sum(dim=1) == 0  # only truncated rows (with mask_truncated_completions) are empty
         return torch.where(fully_masked.unsqueeze(1), torch.ones_like(mask), mask)
 
-    # ---- the training data loader: a stage's rows are fetched and moved once (grpo_variants.loader) ----
+    # ---- the training data loader: a stage's rows are fetched and moved once (grpo_variants.rollout.loader) ----
     def get_train_dataloader(self):
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             return super().get_train_dataloader()
@@ -710,7 +710,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
 
     # ---- the loss ----------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
-        self._log_stage_staleness(inputs)  # rows of a stage rollout (grpo_variants.stages)
+        self._log_stage_staleness(inputs)  # rows of a stage rollout (grpo_variants.rollout.stages)
         if self.loss_spec is None:
             return super()._compute_loss(model, inputs)
         spec = self.loss_spec
@@ -733,7 +733,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         old_per_token_logps = inputs.get("old_per_token_logps")
         if old_per_token_logps is None:
             old_per_token_logps = per_token_logps.detach()
-        if mode == "train" and self.args.adaptive_clip_target is not None:  # grpo_variants.adaptive_clip
+        if mode == "train" and self.args.adaptive_clip_target is not None:  # grpo_variants.rollout.adaptive_clip
             spec, bounds = adapted_loss_spec(spec, per_token_logps, old_per_token_logps, inputs["advantages"], mask,
                                              self.args)
             self._metrics[mode]["adaptive_clip/low"].append(bounds.lower)

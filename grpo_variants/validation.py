@@ -28,7 +28,7 @@ def check_model_path(model) -> None:
         ):
             raise ModelPathError(
                 f"model={str(model)!r} is a folder but holds no config.json: it is not a saved model. "
-                "Save one with model.save_pretrained(path), or use grpo_variants.toy.prepare().model_path."
+                "Save one with model.save_pretrained(path), or use grpo_variants.tasks.toy.prepare().model_path."
             )
         return
     looks_local = path.startswith((os.sep, ".", "~")) or os.sep in path.strip(os.sep) and not _HUB_ID.match(path)
@@ -37,7 +37,7 @@ def check_model_path(model) -> None:
         raise ModelPathError(
             f"model={str(model)!r} does not exist: it is neither a local folder nor "
             + ("a hub id in the local cache (HF_HUB_OFFLINE is set)." if offline else "a hub id of the form org/name.")
-            + " Pass the folder of a saved model (e.g. grpo_variants.toy.prepare().model_path) or a hub id."
+            + " Pass the folder of a saved model (e.g. grpo_variants.tasks.toy.prepare().model_path) or a hub id."
         )
 
 

@@ -32,7 +32,7 @@ QUICKSTART = [
     new_markdown_cell("""\
 # Quickstart: train a toy policy with GRPO, watch it learn, evaluate it
 
-Everything here runs offline on a CPU in a couple of minutes. The **toy kit** (`grpo_variants.toy`)
+Everything here runs offline on a CPU in a couple of minutes. The **toy kit** (`grpo_variants.tasks.toy`)
 builds a tiny Qwen2 model (about 1M parameters, a character vocabulary), warm-starts it with a few
 hundred supervised steps on two-digit addition (`"37+45="` -> `"82"`) until it is right about a
 third of the time, and saves it to disk. From there we train it with GRPO on a verifiable reward
@@ -254,7 +254,7 @@ REASONING = [
 # A short study: the variants on a task that needs reasoning
 
 The arithmetic toy task answers in 3-6 tokens, so none of the problems the variants were designed for
-shows up on it. The **chain task** (`toy.prepare(task="chain")`, `grpo_variants.toy_reasoning`) adds
+shows up on it. The **chain task** (`toy.prepare(task="chain")`, `grpo_variants.tasks.toy_reasoning`) adds
 3, 5 or 7 one-digit numbers and writes every partial sum: `7+5+9=` -> `7+5=12,12+9=21>21`. The warm
 start taught four verbosities (answer only, running sums, full steps, "make ten" steps) with injected
 mistakes, and refinement rows in iGRPO's template, so completions run from 3 to about 80 tokens, the

@@ -260,7 +260,7 @@ def load_prompts(spec: DatasetSpec, system_prompt: str | None = None, max_sample
 def resolve_inputs(recipe: Recipe, options):
     """``(model, train_dataset, rewards, eval_dataset)`` for the run: the toy kit or the recipe's."""
     if options.toy:
-        from grpo_variants import toy
+        from grpo_variants.tasks import toy
 
         kit = toy.prepare(verbose=is_main_process())
         return kit.model_path, kit.train_dataset, options.reward or ["toy_accuracy"], kit.eval_dataset

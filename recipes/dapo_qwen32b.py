@@ -143,7 +143,7 @@ def run(argv: list[str] | None = None):
         rest += ["--reward", "toy_accuracy_pm1"]  # DAPO's +1 / -1 rule reward on the toy task
     trainer = main(RECIPE, rest)
     if toy_mode and is_main_process():
-        from grpo_variants import toy
+        from grpo_variants.tasks import toy
 
         kit_eval = toy.make_dataset(split="eval").select(range(200))
         k = opts.eval_samples or 4

@@ -3,7 +3,7 @@
 Launched three ways by the test (and usable by hand):
 
 * ``accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 2 tests/_zero3_worker.py compare ...``
-  (2 CPU processes over gloo under DeepSpeed ZeRO-3, through grpo_variants.distributed's shim);
+  (2 CPU processes over gloo under DeepSpeed ZeRO-3, through grpo_variants.runtime.distributed's shim);
 * ``python tests/_zero3_worker.py compare ...`` (the single-process reference, no DeepSpeed);
 * ``... tests/_zero3_worker.py resume ...`` (save -> kill -> resume under ZeRO-3).
 

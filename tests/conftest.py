@@ -18,7 +18,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 @pytest.fixture(scope="session")
 def toy_kit():
     """The warm-started toy policy and its datasets (cached on disk across runs)."""
-    from grpo_variants import toy
+    from grpo_variants.tasks import toy
 
     return toy.prepare(task="addition", verbose=False)
 

@@ -76,7 +76,7 @@ def test_trl_grpo_style_yaml_runs(tmp_path, toy_kit, monkeypatch):
     cfg = tmp_path / "grpo.yaml"
     cfg.write_text(
         f"model_name_or_path: {toy_kit.model_path}\ndataset_name: {data}\n"
-        "reward_funcs:\n  - grpo_variants.toy.toy_accuracy\n  - get_soft_overlong_punishment\n"
+        "reward_funcs:\n  - grpo_variants.tasks.toy.toy_accuracy\n  - get_soft_overlong_punishment\n"
         "max_steps: 1\nper_device_train_batch_size: 8\nnum_generations: 4\nmax_completion_length: 4\n"
         "report_to: none\nenv:\n  GRPO_VARIANTS_TEST_ENV: set-by-yaml\n"
     )

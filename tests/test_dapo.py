@@ -493,7 +493,7 @@ def test_two_processes_keep_identical_groups(toy_model_path, tmp_path, topup):
         assert all(n == 3 for n in sizes)
         assert any(r["carried_in"] > 0 for r in ranks[0]["rollouts"]), "no group was carried: the carry is untested"
     else:
-        from grpo_variants.sampling import topup_groups
+        from grpo_variants.rollout.sampling import topup_groups
 
         # each size is the rule's for the running rate the ranks agreed on (G = 4 on 2 ranks: any group count)
         assert ranks[0]["topups"] == ranks[1]["topups"]

@@ -8,7 +8,7 @@ import pytest
 
 from grpo_variants import ConfigError, GRPOVariantConfig, get_variant
 from grpo_variants.metrics import TOKEN_FATES
-from grpo_variants.sampling import topup_groups
+from grpo_variants.rollout.sampling import topup_groups
 
 
 # ------------------------------------------------------------------------------------------------

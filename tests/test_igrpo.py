@@ -297,7 +297,7 @@ import json, os, sys
 import torch
 torch.set_num_threads(1)
 import grpo_variants  # noqa: F401  (CPU distributed shim)
-from grpo_variants import toy
+from grpo_variants.tasks import toy
 from grpo_variants.variants.igrpo import IGRPOConfig, IGRPOTrainer, TOY_DRAFT_TEMPLATE
 
 out_dir, model_path = sys.argv[1], sys.argv[2]

@@ -253,7 +253,8 @@ def test_every_module_imports_alone_in_a_fresh_process():
 
 def test_the_trainer_s_former_contents_are_still_importable_from_it():
     """validation.py, loader.py and metrics.py came out of trainer.py; the old import paths keep working."""
-    from grpo_variants import loader, metrics, trainer, validation
+    from grpo_variants import metrics, trainer, validation
+    from grpo_variants.rollout import loader
 
     assert trainer.check_model_path is validation.check_model_path
     assert trainer.check_dataset is validation.check_dataset

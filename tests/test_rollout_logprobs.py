@@ -11,7 +11,7 @@ import torch
 from trl import GRPOTrainer
 
 from grpo_variants import ConfigError, GRPOVariantConfig, GRPOVariantTrainer, MuGRPOConfig, MuGRPOTrainer
-from grpo_variants.rollout_logprobs import SampledLogprobRecorder
+from grpo_variants.rollout.logprobs import SampledLogprobRecorder
 
 STAGE = dict(stage_prompts=8, updates_per_stage=4)  # 32 completions, 2 mini-batches, 2 passes
 
@@ -195,7 +195,7 @@ def test_rewritten_completions_fall_back_to_trl(toy_model_path, small_train_data
 def test_recorded_under_lora(toy_model_path, small_train_dataset, make_args, tmp_path, monkeypatch):
     """With a PEFT adapter, generate runs the base causal LM inside PeftModel: the hook sits there, and the
     record equals TRL's recomputed pass through the adapted model."""
-    from grpo_variants.scale import lora_config
+    from grpo_variants.runtime.scale import lora_config
 
     args = make_args(MuGRPOConfig, output_dir=str(tmp_path / "lora"), max_steps=4, temperature=0.7, **STAGE)
     trainer = MuGRPOTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=args,

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from grpo_variants.errors import ConfigError
-from grpo_variants.scale import ACCELERATE_CONFIGS, accelerate_config_path
+from grpo_variants.runtime.scale import ACCELERATE_CONFIGS, accelerate_config_path
 
 REPO = Path(__file__).resolve().parents[1]
 EXPECTED_STAGE = {"zero3": 3, "zero3_offload": 3, "zero2": 2}

@@ -1,4 +1,4 @@
-"""Stage rollouts (grpo_variants.stages) as a component: plain GRPO with a stage, by construction.
+"""Stage rollouts (grpo_variants.rollout.stages) as a component: plain GRPO with a stage, by construction.
 
 µ-GRPO composes the same component (tests/test_mu_grpo.py covers it there); here the base trainer with
 ``stage_prompts`` / ``updates_per_stage`` and nothing of µ-GRPO's loss (TRL's clip 0.2, no veto).

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_variants import toy
+from grpo_variants.tasks import toy
 
 
 def test_tokenizer_round_trip(tmp_path):

@@ -129,7 +129,7 @@ def test_mu_grpo_smoke_run_sizes_its_stage(caplog):
 
 def test_toy_conversational_kit_is_warm_started_in_the_chat_template():
     """prepare(conversational=True): chat-format prompts and a policy warm-started on them (own cache entry)."""
-    from grpo_variants import toy
+    from grpo_variants.tasks import toy
 
     plain = toy.prepare(verbose=False)
     chat = toy.prepare(conversational=True, verbose=False)

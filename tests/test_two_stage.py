@@ -1,4 +1,4 @@
-"""The two-stage (draft -> rewrite) rollout as a component (grpo_variants.two_stage), composed by a variant
+"""The two-stage (draft -> rewrite) rollout as a component (grpo_variants.rollout.two_stage), composed by a variant
 that is not iGRPO: it rewrites each prompt with *all* its drafts, whatever they scored.
 
 iGRPO composes the same component (tests/test_igrpo.py: best-draft selection, a 2-process run).
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from grpo_variants import ConfigError, GRPOVariantConfig, GRPOVariantTrainer
-from grpo_variants.two_stage import Drafts, TwoStageRolloutMixin, draft_text
+from grpo_variants.rollout.two_stage import Drafts, TwoStageRolloutMixin, draft_text
 
 
 @dataclass

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from grpo_variants import word_problems as wp
+from grpo_variants.tasks import word_problems as wp
 from grpo_variants.rewards import math_accuracy
 from grpo_variants.rewards.columns import check_reward_columns
 

@@ -2,7 +2,7 @@
 
 How it runs: ``accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 2
 tests/_zero3_worker.py ...``. On a machine without CUDA accelerate picks no backend for a DeepSpeed
-launch; ``grpo_variants.distributed`` (installed on ``import grpo_variants``) makes it use gloo, so
+launch; ``grpo_variants.runtime.distributed`` (installed on ``import grpo_variants``) makes it use gloo, so
 DeepSpeed really partitions across the two CPU processes (the test asserts it).
 
 What must hold, for the base trainer and per registered variant (collected from ``list_variants()``

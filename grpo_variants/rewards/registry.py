@@ -10,7 +10,7 @@ import paths are what ``grpo-variants train --reward NAME`` (or ``--reward_funcs
 
 This module is only the table and imports no reward. The built-ins register themselves when the
 package is imported: ``grpo_variants.rewards`` imports :mod:`~grpo_variants.rewards.builtin`, and
-``grpo_variants`` imports :mod:`grpo_variants.toy` (the toy task's rewards); Python runs both packages'
+``grpo_variants`` imports :mod:`grpo_variants.tasks.toy` (the toy task's rewards); Python runs both packages'
 ``__init__`` before this module, so the table is complete whenever :func:`get_reward` can be called.
 TRL's rewards and dotted paths are imported only when asked for by name.
 """

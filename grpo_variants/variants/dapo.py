@@ -12,7 +12,7 @@ What it computes (``docs/algorithms.md``, "DAPO"):
   ``per_device_train_batch_size x processes x gradient_accumulation_steps`` completions and the rollout
   16 of them. Only then does pi_old differ from pi_theta and do Clip-Higher and the dual clip act.
 * AdamW, lr 1e-6 constant after 20 warm-up steps, weight decay 0.1 and gradient clipping 1.0 (verl).
-* **Dynamic sampling** (:mod:`grpo_variants.sampling`, an option of every variant): drop every group
+* **Dynamic sampling** (:mod:`grpo_variants.rollout.sampling`, an option of every variant): drop every group
   whose accuracy is 0 or 1, re-sample until the batch is full, retry cap ``max_num_gen_batches = 10``
   (verl). Beyond the paper, surplus qualifying groups are carried to the next batch instead of cut
   (``dynamic_sampling_surplus="carry"``; ``"discard"`` is the paper's cut), and top-ups are sized from
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
 from grpo_variants.registry import register_variant
-from grpo_variants.sampling import DynamicSamplingInfo, select_groups
+from grpo_variants.rollout.sampling import DynamicSamplingInfo, select_groups
 from grpo_variants.trainer import GRPOVariantTrainer, resolve_reward_funcs
 
 __all__ = ["DAPOConfig", "DAPOTrainer", "DynamicSamplingInfo", "select_groups", "OVERLONG_REWARD_NAME"]
@@ -72,7 +72,7 @@ class DAPOConfig(GRPOVariantConfig):
     warmup_steps: float = field(default=20)
     weight_decay: float = field(default=0.1)
     max_grad_norm: float = field(default=1.0)
-    # dynamic sampling (grpo_variants.sampling), overlong filtering
+    # dynamic sampling (grpo_variants.rollout.sampling), overlong filtering
     dynamic_sampling: bool = field(default=True)
     max_num_gen_batches: int = field(default=10)
     mask_truncated_completions: bool = field(default=True)

@@ -15,11 +15,11 @@ What it computes (``docs/algorithms.md``, "iGRPO"), for every prompt q of a roll
 Budget: N + G completions per prompt (paper: 4 + 4, matching plain GRPO with G = 8).
 Paper defaults: beta = 0, lr 1e-6 with a cosine schedule, temperature 0.7 (both stages).
 
-The two stages are the two-stage rollout component, :mod:`grpo_variants.two_stage` (drafts for the
+The two stages are the two-stage rollout component, :mod:`grpo_variants.rollout.two_stage` (drafts for the
 unique prompts of the global batch, split evenly over processes and generated in lock-step, scored with
 TRL's own ``_generate`` / ``_calculate_rewards``, then TRL's rollout on the rewritten rows; nothing of
-TRL's rollout is copied), with its template helpers (:func:`~grpo_variants.two_stage.render_draft_prompt`,
-:func:`~grpo_variants.two_stage.validate_draft_template`). This file adds the paper's choices: which draft
+TRL's rollout is copied), with its template helpers (:func:`~grpo_variants.rollout.two_stage.render_draft_prompt`,
+:func:`~grpo_variants.rollout.two_stage.validate_draft_template`). This file adds the paper's choices: which draft
 is kept (:func:`select_best_drafts`), the template, the defaults and the metrics below.
 
 Templates. String prompts: ``draft_template.format(prompt=q, draft=d)``. Conversational prompts:
@@ -52,7 +52,7 @@ from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
 from grpo_variants.registry import register_variant
 from grpo_variants.trainer import GRPOVariantTrainer
-from grpo_variants.two_stage import (  # noqa: F401  (draft_plan, draft_text: importable from here)
+from grpo_variants.rollout.two_stage import (  # noqa: F401  (draft_plan, draft_text: importable from here)
     Drafts,
     TwoStageRolloutMixin,
     draft_plan,
@@ -73,7 +73,7 @@ TOY_DRAFT_TEMPLATE = "{prompt}({draft}){prompt}"  # toy kit: "37+45=" + "82" -> 
 
 
 # ------------------------------------------------------------------------------------------------
-# The paper's selection rule (pure, unit-tested); the template helpers live in grpo_variants.two_stage
+# The paper's selection rule (pure, unit-tested); the template helpers live in grpo_variants.rollout.two_stage
 # ------------------------------------------------------------------------------------------------
 def select_best_drafts(rewards: torch.Tensor, num_drafts: int) -> torch.Tensor:
     """Index of the best draft of each prompt.

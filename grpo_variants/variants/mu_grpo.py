@@ -19,18 +19,18 @@ Efficient LLM Reinforcement Learning", arXiv:2605.17570, May 2026; no public cod
 
 µ = 1 is exactly on-policy GRPO (ratio 1: no clipping, no veto trigger).
 
-Steps 1-3 are the stage rollout component, :mod:`grpo_variants.stages` (any variant can set
+Steps 1-3 are the stage rollout component, :mod:`grpo_variants.rollout.stages` (any variant can set
 ``stage_prompts`` / ``updates_per_stage``): it maps the stage onto TRL's buffering, concatenates the
 chunks, records the policy versions, resumes mid-stage and logs the stage timings and staleness (here
 under ``mu_grpo/``). The behaviour log-probs are recorded while HF generate samples
-(:mod:`grpo_variants.rollout_logprobs`; no second forward pass over the stage in float32). What this
+(:mod:`grpo_variants.rollout.logprobs`; no second forward pass over the stage in float32). What this
 file adds is the paper's: its defaults (1,024 prompts x µ = 1,024, lr 1e-6, no KL), the relaxed clip,
 the veto, and two per-update diagnostics (``mu_grpo/neg_adv_ratio_mean``; with the veto off,
 ``veto/would_trigger_fraction``).
 
 Beyond the paper (off by default), any variant with token ratios: ``adaptive_clip_target``, a trust
 region whose bounds follow the measured staleness, re-chosen at every update
-(:mod:`grpo_variants.adaptive_clip`).
+(:mod:`grpo_variants.rollout.adaptive_clip`).
 
 Choices where the paper is silent (``docs/algorithms.md``): veto threshold 1e-4; loss aggregation GRPO's
 seq-mean-token-mean; no KL term (beta = 0).
@@ -57,7 +57,7 @@ class MuGRPOConfig(GRPOVariantConfig):
     """µ-GRPO: the paper's stage size and µ, relaxed clipping and the negative-advantage veto.
 
     ``steps_per_generation``, ``generation_batch_size`` and ``num_iterations`` are derived from the
-    stage (leave them unset; :func:`grpo_variants.stages.derive_stage`).
+    stage (leave them unset; :func:`grpo_variants.rollout.stages.derive_stage`).
     """
 
     variant: str | None = field(default="mu_grpo")
@@ -74,7 +74,7 @@ class MuGRPOConfig(GRPOVariantConfig):
         default="H_kappa",
         metadata={"help": "Negative-advantage veto scope: T | S_kappa | H_kappa (paper) | S_seq | None (off)."},
     )
-    # ---- stages (grpo_variants.stages): the paper's 1,024 prompts x µ = 1,024 updates -----------------
+    # ---- stages (grpo_variants.rollout.stages): the paper's 1,024 prompts x µ = 1,024 updates -----------------
     updates_per_stage: int | None = field(
         default=1024, metadata={"help": "µ: optimizer updates per stage (per rollout refresh). 1 = on-policy GRPO."}
     )
@@ -96,7 +96,7 @@ class MuGRPOConfig(GRPOVariantConfig):
         if isinstance(self.veto_scope, str) and self.veto_scope.strip().lower() in ("none", "null", "off", ""):
             self.veto_scope = None  # command lines spell "no veto" as a string
         self._set_clip_widths()
-        super().__post_init__()  # derives the stage (grpo_variants.stages)
+        super().__post_init__()  # derives the stage (grpo_variants.rollout.stages)
 
     def _set_clip_widths(self) -> None:
         if self.relaxed_clip:
@@ -125,10 +125,10 @@ class MuGRPOConfig(GRPOVariantConfig):
     paper="arXiv:2605.17570",
 )
 class MuGRPOTrainer(GRPOVariantTrainer):
-    """µ-GRPO; see the module docstring. The stage rollout is the base trainer's (grpo_variants.stages)."""
+    """µ-GRPO; see the module docstring. The stage rollout is the base trainer's (grpo_variants.rollout.stages)."""
 
     config_class = MuGRPOConfig
-    stage_metric_prefix = "mu_grpo"  # the stage's metrics and checkpoint entry (grpo_variants.stages)
+    stage_metric_prefix = "mu_grpo"  # the stage's metrics and checkpoint entry (grpo_variants.rollout.stages)
 
     # ---- per-update metrics -----------------------------------------------------------------------
     def _log_loss_metrics(self, mode, stats, entropies, mask, inputs) -> None:

@@ -7,7 +7,7 @@ A *stage* is one large rollout reused for µ optimizer updates:
 1. freeze the policy as the behaviour policy;
 2. sample ``num_generations`` completions for each of ``stage_prompts`` prompts, in
    ``generation_chunk_prompts`` chunks per process (one TRL rollout call each, concatenated by
-   :func:`grpo_variants.rollout_batch.concat_rollouts`), and store every response with its
+   :func:`grpo_variants.rollout.batch.concat_rollouts`), and store every response with its
    group-normalised advantage, its behaviour log-probs and ``policy_version`` (the global step that
    produced it);
 3. release what generation held (``release_generation_memory``: colocated vLLM asleep, CUDA cache);
@@ -48,7 +48,7 @@ import warnings
 import torch
 
 from grpo_variants.errors import ConfigError, DatasetError, GRPOVariantsError
-from grpo_variants.rollout_batch import concat_rollouts
+from grpo_variants.rollout.batch import concat_rollouts
 
 __all__ = ["StageRolloutMixin", "derive_stage", "take_over_batch_fields"]
 

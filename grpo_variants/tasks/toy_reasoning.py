@@ -4,7 +4,7 @@ The arithmetic toy task (``"37+45="`` -> ``"82"``) answers in 3-6 tokens, so not
 variants were designed for happens on it: no long or truncated answers, no length bias, no draft to
 refine. This task keeps the toy kit's tiny model and offline tokenizer but makes the policy *reason*::
 
-    from grpo_variants import toy
+    from grpo_variants.tasks import toy
     kit = toy.prepare(task="chain")          # cached warm start (a few CPU minutes the first time)
     kit.reward                               # "toy_chain_accuracy" (registered)
     kit.max_completion_length                # 56: the completion budget the task is sized for
@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_variants import toy
+from grpo_variants.tasks import toy
 from grpo_variants.errors import ConfigError
 from grpo_variants.rewards.registry import reward
 
@@ -429,7 +429,7 @@ def warm_start(output_dir=None, config: ReasoningWarmStartConfig | None = None, 
 
 @dataclass
 class ReasoningKit(toy.ToyKit):
-    """A :class:`~grpo_variants.toy.ToyKit` for the chain task, with its reward, budget and evaluator."""
+    """A :class:`~grpo_variants.tasks.toy.ToyKit` for the chain task, with its reward, budget and evaluator."""
 
     reward: str = "toy_chain_accuracy"
     max_completion_length: int = MAX_COMPLETION_LENGTH

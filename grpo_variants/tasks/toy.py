@@ -4,7 +4,7 @@ Nothing here touches the network. Everything is saved to disk and loaded back by
 ``from_pretrained``, exactly as a user loads a hub model, so the demo, the notebooks, the tests
 and the benchmarks exercise the real loading code::
 
-    from grpo_variants import toy
+    from grpo_variants.tasks import toy
     kit = toy.prepare()                      # cached after the first call (about 30-60 s on CPU)
     kit.model_path                           # a folder: AutoModelForCausalLM.from_pretrained(kit.model_path)
     kit.train_dataset, kit.eval_dataset      # datasets.Dataset with "prompt", "answer", "difficulty"
@@ -122,7 +122,7 @@ def build_tokenizer(save_to: str | os.PathLike | None = None, chars: str | None 
     tokenizer built here and the one reloaded from the model folder encode every string the same way.
 
     ``chars`` replaces the character vocabulary (default :data:`CHARS`; the reasoning tasks of
-    :mod:`grpo_variants.toy_reasoning` add ``,`` and ``>``).
+    :mod:`grpo_variants.tasks.toy_reasoning` add ``,`` and ``>``).
 
     Returns a ``PreTrainedTokenizerFast`` with pad/bos/eos/unk tokens and a chat template. When
     ``save_to`` is given it is saved there and can be reloaded with
@@ -665,9 +665,9 @@ def prepare(
 
     With ``warm=False`` the model is randomly initialised (still saved and loaded by path).
     ``task="chain"`` (multi-operand addition with written-out partial sums) is built by
-    :func:`grpo_variants.toy_reasoning.prepare`.
+    :func:`grpo_variants.tasks.toy_reasoning.prepare`.
     """
-    if task in TASK_BUILDERS:  # tasks of other modules (the chain task of grpo_variants.toy_reasoning)
+    if task in TASK_BUILDERS:  # tasks of other modules (the chain task of grpo_variants.tasks.toy_reasoning)
         return TASK_BUILDERS[task](task, difficulty=difficulty, num_eval=num_eval, conversational=conversational,
                                    warm=warm, seed=seed, verbose=verbose)
     difficulty = 2 if difficulty is None else difficulty

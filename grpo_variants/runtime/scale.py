@@ -4,7 +4,7 @@ Every variant trainer takes TRL's scale options unchanged; this module only buil
 defaults and says clearly when something is missing::
 
     from grpo_variants import get_variant
-    from grpo_variants.scale import lora_config, qlora_model_init_kwargs, vllm_kwargs
+    from grpo_variants.runtime.scale import lora_config, qlora_model_init_kwargs, vllm_kwargs
 
     spec = get_variant("dapo")
     args = spec.config_cls(output_dir="out", model_init_kwargs=qlora_model_init_kwargs(),   # 4-bit base
@@ -202,7 +202,7 @@ def accelerate_config_path(name: str) -> str:
     """
     if name not in ACCELERATE_CONFIGS:
         raise ConfigError(f"unknown accelerate config {name!r}; choose one of {list(ACCELERATE_CONFIGS)}.")
-    path = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / f"{name}.yaml"
+    path = Path(__file__).resolve().parents[2] / "recipes" / "accelerate" / f"{name}.yaml"
     if not path.exists():
         raise ConfigError(
             f"{path} not found: the accelerate configs ship with the source repository (recipes/accelerate/), "

@@ -79,7 +79,7 @@ from trl.trainer.utils import RepeatSampler
 
 from grpo_variants.config import DYNAMIC_SAMPLING_FILTERS
 from grpo_variants.errors import ConfigError, DynamicSamplingError
-from grpo_variants.rollout_batch import LEFT_PADDED, cat_rows, pad_value
+from grpo_variants.rollout.batch import LEFT_PADDED, cat_rows, pad_value
 
 __all__ = ["DynamicSamplingInfo", "DynamicSamplingMixin", "select_groups", "topup_groups"]
 

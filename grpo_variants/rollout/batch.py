@@ -6,8 +6,8 @@ call, ``completion_ids`` / ``completion_mask`` and every per-token value (behavi
 log-probs, ``tool_mask``, ...) right-padded to the longest completion, ``advantages`` per row, and the
 scalar ``num_items_in_batch`` (loss tokens of the call, summed over processes). Two calls pad to their
 own widths, so their rows cannot be stacked as they are. The components that merge rollouts use
-these helpers: µ-GRPO's stage (:mod:`grpo_variants.stages`, one call per generation chunk) and dynamic
-sampling (:mod:`grpo_variants.sampling`, the kept groups of several rounds).
+these helpers: µ-GRPO's stage (:mod:`grpo_variants.rollout.stages`, one call per generation chunk) and dynamic
+sampling (:mod:`grpo_variants.rollout.sampling`, the kept groups of several rounds).
 
 Padding values: the tokenizer's pad id for token ids, 1 for ``tool_mask`` (TRL's "not a tool token"),
 0 for masks and per-token values, so a padded position is out of every mask.

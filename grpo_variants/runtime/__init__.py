@@ -1,0 +1,1 @@
+"""Runtime support: scale settings (LoRA, vLLM, DeepSpeed), CPU multi-process launches, noise filters."""
