@@ -102,10 +102,26 @@ def _parser(spec, variant_given: bool):
     return parser
 
 
-def _load_dataset(spec: str, split: str = "train", config_name: str | None = None, streaming: bool = False):
-    """``toy``, ``toy:subtraction``, a ``save_to_disk`` folder, a json/jsonl/csv/parquet file, or a hub id."""
+_DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _looks_local(text: str) -> bool:
+    """A spec written as a path (``./x``, ``/x``, ``~/x``, ``x.jsonl``, ``a/b/c``), not as a hub id ``org/name``."""
+    from grpo_variants.validation import _HUB_ID
+
+    return (text.startswith((os.sep, ".", "~")) or Path(text).suffix.lower() in _DATA_SUFFIXES
+            or (os.sep in text.strip(os.sep) and not _HUB_ID.match(text)))
+
+
+def _load_dataset(spec, split: str = "train", config_name: str | None = None, streaming: bool = False):
+    """``toy``, ``toy:subtraction``, a ``save_to_disk`` folder, a json/jsonl/csv/parquet file, or a hub id.
+
+    ``spec`` is a ``str`` or an ``os.PathLike`` (a ``pathlib.Path``). A path that does not exist and a hub id
+    that cannot be loaded (no network, offline mode, no such dataset) raise a one-line :class:`UsageError`.
+    """
     from grpo_variants.tasks import toy
 
+    spec = os.fspath(spec)
     if spec == "toy" or spec.startswith("toy:"):
         task = spec.split(":", 1)[1] if ":" in spec else "addition"
         return toy.make_dataset(task, "train" if split == "train" else "eval")
@@ -122,13 +138,31 @@ def _load_dataset(spec: str, split: str = "train", config_name: str | None = Non
     if path.is_file():
         from datasets import load_dataset
 
-        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+        kind = _DATA_SUFFIXES.get(path.suffix.lower())
         if kind is None:
             raise UsageError(f"dataset {spec!r}: unsupported file type {path.suffix!r} (json, jsonl, csv, parquet).")
         return load_dataset(kind, data_files=str(path), split="train")
+    if _looks_local(spec):
+        parent = path.parent if str(path.parent) not in ("", ".") else Path(".")
+        near = sorted(p.name for p in parent.iterdir() if p.suffix.lower() in _DATA_SUFFIXES or p.is_dir()
+                      )[:8] if parent.is_dir() else []
+        raise UsageError(
+            f"dataset {spec!r}: no such file or folder" + (f" (in {str(parent)!r}: {near})" if near else "")
+            + ". Pass a json/jsonl/csv/parquet file, a save_to_disk folder, a hub id (org/name) or toy."
+        )
     from datasets import load_dataset
 
-    return load_dataset(spec, name=config_name, split=split, streaming=streaming)
+    try:
+        return load_dataset(spec, name=config_name, split=split, streaming=streaming)
+    except Exception as err:  # noqa: BLE001 - any hub failure becomes one line (the cause stays chained)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or "offline" in first.lower()
+        unreachable = offline or isinstance(err, (ConnectionError, TimeoutError)) or "reach" in first.lower()
+        hint = ("the Hugging Face Hub cannot be reached" + (" (HF_HUB_OFFLINE is set)" if offline else "")
+                + " and it is not in the local cache; pass a local json/jsonl/csv/parquet file or save_to_disk "
+                "folder, or toy, or connect and retry" if unreachable
+                else f"{type(err).__name__}: {first}")
+        raise UsageError(f"dataset {spec!r} (split {split!r}) could not be loaded: {hint}.") from err
 
 
 def _read_yaml(path: str) -> dict:
@@ -299,6 +333,10 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
     if script.reward_model_name_or_path:
         rewards.append(script.reward_model_name_or_path)
     resume = _resume_value(config.resume_from_checkpoint)
+    if resume is not None:  # checked now: a missing checkpoint must fail before any model load or evaluation
+        from grpo_variants.reliability import resolve_resume_checkpoint
+
+        resume = resolve_resume_checkpoint(resume, config.output_dir)
 
     if announced:
         print(f"--model toy: toy-sized defaults {', '.join(announced)} (set any of them to change it).")

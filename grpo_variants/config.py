@@ -280,6 +280,7 @@ class GRPOVariantConfig(GRPOConfig):
 
     def __post_init__(self):
         self._checkpointing_under_its_new_name()
+        self._validate_ranges()
         stage_request = take_over_batch_fields(self)  # None without stage rollouts
         check_adaptive_clip_fields(self)
         no_cuda = not torch.cuda.is_available()
@@ -314,6 +315,34 @@ class GRPOVariantConfig(GRPOConfig):
         if self.activation_checkpointing is None:
             gc = self.gradient_checkpointing
             self.activation_checkpointing = torch.cuda.is_available() if gc is None else bool(gc)
+
+    def _validate_ranges(self) -> None:
+        """One-line errors for values outside a field's domain that TRL / transformers / torch would otherwise
+        reject mid-run with a long traceback (a negative learning rate at the optimizer, a zero generation length at
+        the first ``generate``) or silently accept (``top_p`` above 1, a run of zero steps)."""
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        mcl = self.max_completion_length
+        need(mcl is None or mcl >= 1, f"max_completion_length={mcl} must be >= 1 (tokens generated per completion), "
+                                      "e.g. 256.")
+        need(self.learning_rate >= 0, f"learning_rate={self.learning_rate} must be >= 0, e.g. 1e-6.")
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations"):
+            value = getattr(self, name)
+            need(value is None or value >= 1, f"{name}={value} must be an integer >= 1.")
+        need(self.temperature > 0, f"temperature={self.temperature} must be > 0: GRPO samples its completions "
+                                   "(1.0 samples from the policy as it is).")
+        need(0 < self.top_p <= 1, f"top_p={self.top_p} must lie in (0, 1] (1.0 keeps every token).")
+        need(self.top_k is None or self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 keeps every token).")
+        need(self.min_p is None or 0 <= self.min_p <= 1, f"min_p={self.min_p} must lie in [0, 1] or be None.")
+        need(self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0: none).")
+        need(self.max_grad_norm is None or self.max_grad_norm >= 0,
+             f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables gradient clipping).")
+        need(self.max_steps > 0 or self.num_train_epochs > 0,
+             f"max_steps={self.max_steps} and num_train_epochs={self.num_train_epochs}: training would run 0 steps. "
+             "Set max_steps > 0 or num_train_epochs > 0.")
+        need(self.beta >= 0, f"beta={self.beta} must be >= 0 (the KL coefficient; 0 drops the KL term).")
 
     def _validate_batch_fields(self) -> None:
         """Check the generation-batch arithmetic before TRL does (TRL raises a bare ValueError).

@@ -39,6 +39,35 @@ def check_model_path(model) -> None:
             + ("a hub id in the local cache (HF_HUB_OFFLINE is set)." if offline else "a hub id of the form org/name.")
             + " Pass the folder of a saved model (e.g. grpo_variants.tasks.toy.prepare().model_path) or a hub id."
         )
+    if not offline and not _in_hf_cache(path):
+        problem = _hub_problem(path)
+        if problem is not None:
+            raise ModelPathError(
+                f"model={str(model)!r} is not in the local Hugging Face cache and {problem}. Pass the folder of a "
+                "saved model (e.g. grpo_variants.tasks.toy.prepare().model_path, or --model toy on the command "
+                "line), or connect and retry."
+            )
+
+
+def _hub_problem(repo_id: str) -> str | None:
+    """Why ``repo_id`` cannot be downloaded (the hub is unreachable, or has no such model), or None when it can
+    (or when the hub answered otherwise, e.g. a gated model: TRL's loading then says what to do)."""
+    try:
+        from huggingface_hub import model_info
+        from huggingface_hub.errors import RepositoryNotFoundError
+    except ImportError:  # pragma: no cover - very old huggingface_hub
+        return None
+    try:
+        model_info(repo_id, timeout=10)
+    except RepositoryNotFoundError:
+        return "the Hugging Face Hub has no such model (or it is private: log in with `hf auth login`)"
+    except Exception as err:  # noqa: BLE001 - network errors differ between requests / httpx versions
+        kinds = " ".join(c.__name__ for c in type(err).__mro__)
+        if isinstance(err, (ConnectionError, TimeoutError)) or any(
+                word in kinds for word in ("Connect", "Timeout", "Network", "Offline")):
+            return f"the Hugging Face Hub cannot be reached ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
+        return None
+    return None
 
 
 def _in_hf_cache(repo_id: str) -> bool:

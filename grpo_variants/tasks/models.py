@@ -218,7 +218,10 @@ MODEL_NAMES = {"smollm2": smollm2}
 
 
 def resolve_model(name_or_path):
-    """Map a registered model name (``"smollm2"``) to its prepared folder; anything else is returned unchanged."""
+    """Map a registered model name (``"smollm2"``) to its prepared folder, a ``pathlib.Path`` / ``os.PathLike``
+    to its ``str`` (TRL takes a model id as a string); anything else (a loaded model, a hub id) is returned unchanged."""
+    if isinstance(name_or_path, os.PathLike):
+        return os.fspath(name_or_path)
     if isinstance(name_or_path, str) and name_or_path in MODEL_NAMES and not os.path.exists(name_or_path):
         return str(MODEL_NAMES[name_or_path]())
     return name_or_path
