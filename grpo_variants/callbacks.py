@@ -185,9 +185,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def _accuracy_keys(records: list[dict]) -> list[str]:
-    """Logged per-reward means whose reward is an accuracy (``rewards/<name>/mean`` with 'acc' in the name)."""
-    keys = {k for r in records for k in r if k.startswith("rewards/") and k.endswith("/mean") and "acc" in k}
-    return sorted(keys)
+    """Logged training accuracies: ``rewards/<name>/right_fraction`` of the accuracy rewards (fraction right)."""
+    from grpo_variants.console import _accuracy_keys as keys_of
+
+    return keys_of({k for r in records for k in r})
 
 
 def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str = "Reward during training") -> Path:

@@ -31,8 +31,14 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _accuracy_keys(keys) -> list[str]:
+    """Training accuracy metrics: ``rewards/<accuracy reward>/right_fraction``, the fraction of completions the
+    accuracy reward called right (not the reward's mean, which for a +1 / -1 reward is no accuracy)."""
+    return sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/right_fraction") and "acc" in k)
+
+
 def _accuracy_key(logs: dict) -> str | None:
-    keys = sorted(k for k in logs if k.startswith("rewards/") and k.endswith("/mean") and "acc" in k)
+    keys = _accuracy_keys(logs)
     return keys[0] if keys else None
 
 
@@ -144,7 +150,7 @@ def summary_rows(records: list[dict]) -> list[tuple[str, str, str]]:
     pair = _first_last(records, "reward")
     if pair:
         rows.append(("reward (train rollouts)", _fmt(pair[0]), _fmt(pair[1])))
-    keys = sorted({k for r in records for k in r if k.startswith("rewards/") and k.endswith("/mean") and "acc" in k})
+    keys = _accuracy_keys({k for r in records for k in r})
     for key in keys[:2]:
         pair = _first_last(records, key)
         if pair:

@@ -58,13 +58,24 @@ class TrainerMetrics:
                 self._metrics[mode][f"rewards/{name}/{key}"].append(value)
 
     def _log_lengths_by_outcome(self, completion_ids_list) -> None:
-        """``completions/mean_length_right`` / ``_wrong`` / ``right_fraction`` (grpo_variants.mechanisms)."""
-        from grpo_variants.mechanisms import lengths_by_outcome
+        """``completions/mean_length_right`` / ``_wrong`` / ``right_fraction``, right as the accuracy reward says,
+        and ``rewards/<name>/right_fraction`` per accuracy reward (grpo_variants.mechanisms)."""
+        from grpo_variants.mechanisms import accuracy_reward_indices, lengths_by_outcome, outcome_rewards, right_fraction
 
+        mode = "train" if self.model.training else "eval"
+        names = list(getattr(self, "reward_func_names", None) or [])
+        per_func = getattr(self, "_last_rewards_per_func", None)
+        if per_func is not None and names:
+            for i in accuracy_reward_indices(names):
+                value = right_fraction(per_func[:, i])
+                if value == value:
+                    self._metrics[mode][f"rewards/{names[i]}/right_fraction"].append(value)
+        outcome = outcome_rewards(per_func, names, self.weighted_rewards())
+        if outcome is None:
+            return
         lengths = torch.tensor([float(len(ids)) for ids in completion_ids_list], device=self.accelerator.device)
         lengths = self.accelerator.gather(lengths)
-        mode = "train" if self.model.training else "eval"
-        for key, value in lengths_by_outcome(lengths, self.weighted_rewards()).items():
+        for key, value in lengths_by_outcome(lengths, outcome).items():
             if value == value:  # not NaN: a batch with no right (or no wrong) completion logs nothing for it
                 self._metrics[mode][f"completions/{key}"].append(value)
 

@@ -247,6 +247,9 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         announcement = self.args.announce_defaults() if hasattr(self.args, "announce_defaults") else None
         if announcement and self.accelerator.is_main_process:
             logger.warning(announcement)
+        behaviour = self.announce_behaviour()
+        if behaviour and self.accelerator.is_main_process:
+            logger.warning(behaviour)
         if torch.cuda.is_available():  # model FLOPs utilisation (throughput/mfu); never logged on CPU
             from grpo_variants.callbacks import MFUCallback
 
@@ -259,6 +262,53 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         # metrics.jsonl, trainer_state.json, reward_curve.png and the model card in output_dir
         self.run_record = RunRecordCallback(self)
         self.add_callback(self.run_record)
+
+    # ---- what this run does beyond TRL's GRPO ------------------------------------------------------
+    def behaviour_changes(self) -> list[str]:
+        """What this run does that ``trl.GRPOTrainer`` with the same TRL fields would not, largest first.
+
+        Announced at construction in one line (:meth:`announce_behaviour`). Subclasses extend it (call super).
+        """
+        a = self.args
+        out = []
+        if self._overrides_rollout():
+            doc = (type(self).__doc__ or "").strip().splitlines()
+            out.append(f"its own rollout ({doc[0].rstrip('.') if doc else type(self).__name__})")
+        if a.dynamic_sampling:
+            out.append(f"dynamic sampling (groups whose {a.dynamic_sampling_metric} is {a.dynamic_sampling_filter} "
+                       f"are dropped and more are generated, up to {a.max_num_gen_batches} rounds a batch)")
+        if getattr(a, "stage_prompts", None) is not None:
+            out.append(f"stage rollout ({a.stage_prompts} prompts generated at once, reused for "
+                       f"{a.updates_per_stage} updates)")
+        names = list(getattr(self, "reward_func_names", []))
+        if getattr(a, "overlong_penalty", False) and names:
+            out.append(f"reward {names[-1]!r} appended to your {len(names) - 1} (soft overlong punishment, L_max "
+                       f"{a.max_completion_length}, L_cache {a.resolved_overlong_buffer_len}, weight 1)")
+        if a.clip_ratio_c is not None:
+            out.append(f"dual clip (negative-advantage ratio capped at c={a.clip_ratio_c})")
+        if a.epsilon_high is not None and a.epsilon_high != a.epsilon:
+            out.append(f"clip-higher (ratio clipped to [1-{a.epsilon}, 1+{a.epsilon_high}])")
+        if a.aggregation is not None and self.loss_spec is not None:
+            out.append(f"loss aggregation {a.aggregation!r} (grpo_variants.losses, not loss_type={a.loss_type!r}'s)")
+        if a.fipo:
+            out.append(f"FIPO future-KL advantage weights (tau={a.fipo_tau})")
+        if a.veto_scope is not None:
+            out.append(f"{a.veto_scope}-level veto of tokens with ratio below {a.veto_threshold}")
+        if a.kl_in_reward:
+            out.append(f"KL subtracted from the reward (beta={a.beta}) instead of added to the loss")
+        if a.adaptive_clip_target is not None:
+            out.append(f"adaptive clip range (target clipped fraction {a.adaptive_clip_target})")
+        if a.mask_truncated_completions:
+            out.append("truncated completions masked out of the loss (overlong filtering)")
+        return out
+
+    def announce_behaviour(self) -> str | None:
+        """One line naming :meth:`behaviour_changes` (None when the run is TRL's GRPO with our defaults)."""
+        changes = self.behaviour_changes()
+        if not changes:
+            return None
+        return f"grpo-variants {self.variant_name or 'base'}: beyond TRL's GRPO, this run uses " + "; ".join(changes) \
+            + " (see `grpo-variants train --variant NAME --help` to change any of them)."
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -444,11 +494,16 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
     # ---- timing and token accounting -------------------------------------------------------------
     @contextmanager
     def _timed(self, phase: str):
+        """Add the block's seconds to a training phase timer. Evaluation rollouts (model in eval mode) are not
+        training time: counting them would divide a training rollout's tokens by eval seconds too
+        (``throughput/generated_tokens_per_s``, ``time/*_s``)."""
+        training = self.model.training
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._phase_time[phase] += time.perf_counter() - start
+            if training:
+                self._phase_time[phase] += time.perf_counter() - start
 
     # ---- behaviour log-probs recorded during generation (grpo_variants.rollout.logprobs) ---------
     def _rollout_logprobs_supported(self) -> bool:
@@ -667,7 +722,26 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         if self.model.training and self._rollouts_started > rounds_before:
             self._count_update_tokens()
             self._on_rollout_done()
+            self._check_rollout_signal()
         return inputs
+
+    def _check_rollout_signal(self) -> None:
+        """Warn when every group of the rollout just made had zero reward variance (all of a prompt's completions
+        scored alike): every advantage is 0, so the updates it feeds carry no policy gradient. Said once (the
+        first time); ``rollout/zero_signal`` logs 1 / 0 for every rollout."""
+        local = all(bool((b["advantages"] == 0).all()) for b in self._buffered_inputs)
+        flag = torch.tensor([0.0 if local else 1.0], device=self.accelerator.device)
+        none = float(self.accelerator.reduce(flag, reduction="sum").item()) == 0.0
+        self._metrics["train"]["rollout/zero_signal"].append(1.0 if none else 0.0)
+        if none and not getattr(self, "_zero_signal_warned", False):
+            self._zero_signal_warned = True
+            if self.accelerator.is_main_process:
+                logger.warning(
+                    "step %d: every group of this rollout had zero reward variance (each prompt's %s completions "
+                    "scored alike), so every advantage is 0 and its updates carry no policy gradient. Harder or "
+                    "easier prompts, more num_generations, a finer reward, or dynamic_sampling=True (variants that "
+                    "keep TRL's rollout) give a signal. Said once; rollout/zero_signal logs it every rollout.",
+                    self.state.global_step, self.num_generations)
 
     def _count_update_tokens(self) -> None:
         """Store on every buffered micro-batch the loss-mask tokens of its optimizer update (``num_items_in_update``).

@@ -236,7 +236,7 @@ def load_prompts(spec: DatasetSpec, system_prompt: str | None = None, max_sample
     if spec.config is not None:
         from datasets import load_dataset
 
-        dataset = load_dataset(spec.path, spec.config, split=spec.split)
+        dataset = load_dataset(os.fspath(spec.path), spec.config, split=spec.split)
     else:
         dataset = _load_dataset(spec.path, split=spec.split)
     if spec.filter is not None:
@@ -281,6 +281,7 @@ def main(recipe: Recipe, argv: list[str] | None = None):
     from grpo_variants import get_variant, toy
 
     config, options = build_config(recipe, argv)
+    resume = resume_checkpoint(config)  # before anything loads: a resume with no checkpoint is one line
     model, train_dataset, rewards, eval_dataset = resolve_inputs(recipe, options)
     if is_main_process():
         per_update = config.per_device_train_batch_size * world_size() * config.gradient_accumulation_steps
@@ -288,14 +289,33 @@ def main(recipe: Recipe, argv: list[str] | None = None):
         print(f"[{recipe.variant}] model={model} prompts={len(train_dataset)} rewards={rewards} "
               f"generation={'vLLM (colocate)' if config.use_vllm else 'HF generate'} "
               f"completions/update={per_update} updates/rollout={updates:g}")
-    if eval_dataset is not None and is_main_process():
-        print(f"[{recipe.variant}] held-out accuracy before: {toy.evaluate(model, eval_dataset):.1%}")
+    # The held-out evaluation runs on every process (each gets the same greedy accuracy): under ZeRO-3 the
+    # trained model's partitions are gathered for it, a collective call (grpo_variants.tasks.toy.evaluate).
+    if eval_dataset is not None:
+        accuracy = toy.evaluate(model, eval_dataset)
+        if is_main_process():
+            print(f"[{recipe.variant}] held-out accuracy before: {accuracy:.1%}")
     trainer = get_variant(recipe.variant).trainer_cls(
         model=model, reward_funcs=rewards, args=config, train_dataset=train_dataset
     )
-    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(config.output_dir)
-    if eval_dataset is not None and is_main_process():
+    if eval_dataset is not None:
         accuracy = toy.evaluate(trainer.model, eval_dataset, trainer.processing_class)
-        print(f"[{recipe.variant}] held-out accuracy after: {accuracy:.1%}")
+        if is_main_process():
+            print(f"[{recipe.variant}] held-out accuracy after: {accuracy:.1%}")
     return trainer
+
+
+def resume_checkpoint(config):
+    """``--resume_from_checkpoint`` as the CLI reads it: ``true`` / ``latest`` -> the newest complete checkpoint
+    in ``output_dir``, a folder -> that checkpoint, ``false`` / absent -> a fresh run. A resume with nothing to
+    resume from exits with one line (before any model is loaded)."""
+    from grpo_variants.cli import UsageError, _resume_value
+    from grpo_variants.errors import GRPOVariantsError
+    from grpo_variants.reliability import resolve_resume_checkpoint
+
+    try:
+        return resolve_resume_checkpoint(_resume_value(config.resume_from_checkpoint), config.output_dir)
+    except (UsageError, GRPOVariantsError) as err:
+        raise SystemExit(f"error: {err}") from None

@@ -103,7 +103,10 @@ def evaluate_avg_at_k(model_path: str, dataset, reward: str, k: int, temperature
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        from grpo_variants.runtime.distributed import zero3_init_disabled
+
+        with zero3_init_disabled():  # whole on this rank, even after a ZeRO-3 training run in this process
+            model = AutoModelForCausalLM.from_pretrained(model_path).eval()
         completions = []
         with torch.no_grad():
             for start in range(0, len(prompts), 64):

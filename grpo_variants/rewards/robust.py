@@ -22,7 +22,8 @@ score silently became 0):
   ``isolation="none"``, or ``"thread"`` without a timeout, calls in the caller's thread.
 * **Errors**: an exception becomes :class:`RewardFunctionError` naming the reward, the index of
   the first failing sample (found by re-running the batch one sample at a time, within another
-  ``timeout``) or "a batch of N" when that does not reproduce it, and the original exception's
+  ``timeout``; announced by one warning per reward, since it costs extra calls and a group-level
+  reward scores differently alone) or "a batch of N" when that does not reproduce it, and the original exception's
   type and message. With ``on_error="none"`` failing samples become None (missing: TRL turns it
   into NaN and ignores it), the other samples keep their scores, and the errors are counted.
 * **Timeouts**: ``on_error="raise"`` raises RewardFunctionError naming the timeout and how to
@@ -187,6 +188,7 @@ class RobustReward:
     def _init_runtime(self) -> None:
         self._lock = threading.Lock()
         self._abandoned: list[threading.Thread] = []
+        self._announced_per_sample = False
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -480,8 +482,21 @@ class RobustReward:
         return out
 
     def _per_sample(self, unique: list[int], args_for, batch_failure: _Failure, n: int, completions) -> list:
-        """After a failed batch call: score samples one at a time (first failure only with raise)."""
+        """After a failed batch call: score samples one at a time (first failure only with raise).
+
+        Announced once per reward (a warning): the function is called again, once per sample, which costs more
+        calls (a paid judge) and, for a reward that scores a sample against the rest of its batch (group-level),
+        gives other values than a batch call would.
+        """
         stop_early = self.on_error == "raise"
+        if not self._announced_per_sample:
+            self._announced_per_sample = True
+            purpose = ("to find the failing sample before raising" if stop_early
+                       else "and the samples that succeed keep those single-sample scores (reward_on_error='none')")
+            logger.warning(
+                "Reward '%s' raised %s on a batch of %d; calling it again one sample at a time (up to %d more calls) "
+                "%s. This is said once per reward; a group-level or paid reward should not raise.",
+                self.__name__, batch_failure.describe(), n, len(unique), purpose)
 
         def one_by_one():
             vals = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 _INSTALLED = False
@@ -43,3 +44,57 @@ def install_cpu_distributed_shim() -> bool:
     _INSTALLED = True
     logger.info("grpo-variants: CPU distributed shim installed (gloo, MULTI_CPU) for a CUDA-less launch")
     return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluating outside the trainer under ZeRO-3 (the toy kit's held-out accuracy)
+# ------------------------------------------------------------------------------------------------
+def is_zero3_partitioned(model) -> bool:
+    """Whether ``model``'s parameters are DeepSpeed ZeRO-3 partitions (each rank holds a slice)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextmanager
+def zero3_init_disabled():
+    """Load / build a model whole even while a ZeRO-3 config is active.
+
+    Once a ZeRO-3 ``TrainingArguments`` exists, transformers builds every ``from_pretrained`` /
+    ``from_config`` model inside ``deepspeed.zero.Init`` (partitioned at birth, a collective call). A model
+    loaded only to evaluate it, on one rank or on all, must stay whole: this lifts the ZeRO-3 config for the
+    duration of the block and restores it after.
+    """
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def gathered_copy(model):
+    """A whole (unpartitioned) copy of a ZeRO-3 partitioned causal LM, for generation outside the trainer.
+
+    Collective: every rank must call it (``deepspeed.zero.GatheredParameters`` all-gathers the partitions),
+    the same number of times. HF ``generate`` on the partitioned model itself fails ("'weight' must be 2-D")
+    or, with ZeRO-3's forward hooks, needs every rank in lock-step; TRL gathers inside its own generation
+    path (``unwrap_model_for_generation``), which takes the DeepSpeed engine. A copy needs only the module.
+    """
+    import deepspeed
+    import torch
+
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dtype = params[0].dtype if params else torch.float32
+    with zero3_init_disabled():
+        plain = type(model)._from_config(model.config, dtype=dtype)
+    plain.load_state_dict(state, strict=False)
+    if hasattr(plain, "tie_weights"):
+        plain.tie_weights()
+    plain.generation_config = getattr(model, "generation_config", plain.generation_config)
+    return plain.eval()

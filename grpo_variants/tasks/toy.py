@@ -312,9 +312,14 @@ toy_accuracy_pm1.__name__ = "toy_accuracy_pm1"
 def _load(model_or_path, tokenizer=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from grpo_variants.runtime.distributed import gathered_copy, is_zero3_partitioned, zero3_init_disabled
+
     if isinstance(model_or_path, (str, os.PathLike)):
-        model = AutoModelForCausalLM.from_pretrained(str(model_or_path))
+        with zero3_init_disabled():  # whole, even after a ZeRO-3 config was built (e.g. the CLI's "before" row)
+            model = AutoModelForCausalLM.from_pretrained(str(model_or_path))
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_or_path))
+    elif is_zero3_partitioned(model_or_path):  # a ZeRO-3 trainer's model: generate on a gathered copy
+        model = gathered_copy(model_or_path)
     else:
         model = model_or_path
     if tokenizer is None:
@@ -343,7 +348,9 @@ def evaluate(
 ) -> float:
     """Accuracy of a model on a toy dataset: greedy (default) or mean over ``num_samples`` samples.
 
-    Single-shot from the original prompt (this is also how iGRPO is evaluated).
+    Single-shot from the original prompt (this is also how iGRPO is evaluated). ``model_or_path`` is a
+    model, a folder (``str`` or ``os.PathLike``), or the model of a DeepSpeed ZeRO-3 trainer: its partitions
+    are gathered into a whole copy first, a collective call, so under ZeRO-3 call it on every rank.
     """
     model, tokenizer = _load(model_or_path, tokenizer)
     was_training = model.training
