@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-variants demo", description=__doc__.splitlines()[0])
     parser.add_argument("--output_dir", default="outputs/demo")
     parser.add_argument("--variant", default="grpo")
@@ -34,8 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval_every", type=int, default=20)
     parser.add_argument("--verbose", action="store_true", help="print every log record (a dict per step)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_parser().parse_args(argv))
+
+
+def run(args) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -50,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the toy model loads and saves in milliseconds: no bars for that
 
     print("== grpo-variants demo: toy arithmetic (two-digit addition), CPU only, no downloads ==")
+    spec = get_variant(args.variant)  # a bad variant or value fails here, before the model is evaluated
+    config, line = demo_config(spec, args, out)
     started = time.perf_counter()
     kit = toy.prepare(task="addition")
     tokenizer = kit.tokenizer
@@ -57,33 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     before = toy.evaluate(kit.model_path, kit.eval_dataset)
     n_eval = len(kit.eval_dataset)
     print(f"held-out greedy accuracy before {args.variant}: {before:.1%} on {n_eval} unseen problems")
-
-    spec = get_variant(args.variant)
-    # Toy-sized settings on top of the variant's defaults; every other field (beta, clip, aggregation, ...)
-    # stays the variant's (its paper's), and what the demo overrides is announced in one line below.
-    toy_settings = dict(
-        per_device_train_batch_size=256,  # completions per step: 32 prompts x 8
-        num_generations=8,
-        max_completion_length=6,
-        temperature=1.0,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-    )
-    if args.beta is not None:
-        toy_settings["beta"] = args.beta
-    print(demo_overrides_line(spec, toy_settings))
-    config = spec.config_cls(
-        output_dir=str(out),
-        max_steps=args.max_steps,
-        **toy_settings,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=args.seed,
-        bf16=False,
-        gradient_checkpointing=False,
-        verbose=args.verbose,
-    )
+    print(line)
     trainer = spec.trainer_cls(
         model=kit.model_path,
         reward_funcs="toy_accuracy",
@@ -118,6 +100,37 @@ def main(argv: list[str] | None = None) -> int:
                         f"{out}/ (metrics.jsonl, reward_curve.png, summary.json, README.md, final_model/)",
                         head=("before", "after")))
     return 0
+
+
+def demo_config(spec, args, out):
+    """``(config, line)``: the variant's config with the demo's toy-sized settings, and the one line naming them.
+
+    Toy-sized settings go on top of the variant's defaults; every other field (beta, clip, aggregation, ...)
+    stays the variant's (its paper's), and ``line`` names what the demo overrides.
+    """
+    toy_settings = dict(
+        per_device_train_batch_size=256,  # completions per step: 32 prompts x 8
+        num_generations=8,
+        max_completion_length=6,
+        temperature=1.0,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+    )
+    if args.beta is not None:
+        toy_settings["beta"] = args.beta
+    config = spec.config_cls(
+        output_dir=str(out),
+        max_steps=args.max_steps,
+        **toy_settings,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        bf16=False,
+        gradient_checkpointing=False,
+        verbose=args.verbose,
+    )
+    return config, demo_overrides_line(spec, toy_settings)
 
 
 def demo_overrides_line(spec, settings: dict) -> str:

@@ -273,10 +273,12 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         out = []
         if self._overrides_rollout():
             doc = (type(self).__doc__ or "").strip().splitlines()
-            out.append(f"its own rollout ({doc[0].rstrip('.') if doc else type(self).__name__})")
+            what = doc[0].split("; see")[0].rstrip(".") if doc else type(self).__name__
+            out.append(f"its own rollout ({what})")
         if a.dynamic_sampling:
-            out.append(f"dynamic sampling (groups whose {a.dynamic_sampling_metric} is {a.dynamic_sampling_filter} "
-                       f"are dropped and more are generated, up to {a.max_num_gen_batches} rounds a batch)")
+            out.append(f"dynamic sampling (only groups whose {a.dynamic_sampling_metric} passes the "
+                       f"{a.dynamic_sampling_filter!r} filter are trained; more are generated to fill the batch, up "
+                       f"to {a.max_num_gen_batches} rounds)")
         if getattr(a, "stage_prompts", None) is not None:
             out.append(f"stage rollout ({a.stage_prompts} prompts generated at once, reused for "
                        f"{a.updates_per_stage} updates)")
@@ -288,8 +290,10 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
             out.append(f"dual clip (negative-advantage ratio capped at c={a.clip_ratio_c})")
         if a.epsilon_high is not None and a.epsilon_high != a.epsilon:
             out.append(f"clip-higher (ratio clipped to [1-{a.epsilon}, 1+{a.epsilon_high}])")
-        if a.aggregation is not None and self.loss_spec is not None:
-            out.append(f"loss aggregation {a.aggregation!r} (grpo_variants.losses, not loss_type={a.loss_type!r}'s)")
+        from grpo_variants.config import TRL_LOSS_TYPE_TO_AGGREGATION
+
+        if a.aggregation is not None and a.aggregation != TRL_LOSS_TYPE_TO_AGGREGATION.get(a.loss_type):
+            out.append(f"loss aggregation {a.aggregation!r} (grpo_variants.losses)")
         if a.fipo:
             out.append(f"FIPO future-KL advantage weights (tau={a.fipo_tau})")
         if a.veto_scope is not None:

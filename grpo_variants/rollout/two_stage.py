@@ -241,10 +241,12 @@ class TwoStageRolloutMixin:
         )
 
     def _set_drafts_metrics_aside(self, sizes_before: dict, extra_before: dict, pending_before: dict) -> None:
-        """TRL's completions/* metrics describe trained completions: move the drafts' entries aside."""
+        """TRL's completions/* metrics (and the accuracy rewards' right_fraction) describe trained completions: move
+        the drafts' entries aside."""
         metrics, prefix = self._metrics["train"], self.draft_metric_prefix
         for key in list(metrics):
-            if key.startswith("completions/") and len(metrics[key]) > sizes_before.get(key, 0):
+            describes_completions = key.startswith("completions/") or key.endswith("/right_fraction")
+            if describes_completions and len(metrics[key]) > sizes_before.get(key, 0):
                 new = metrics[key][sizes_before.get(key, 0) :]
                 del metrics[key][sizes_before.get(key, 0) :]
                 metrics[f"{prefix}/draft_{key}"].extend(new)
