@@ -338,7 +338,8 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
 
         resume = resolve_resume_checkpoint(resume, config.output_dir)
 
-    if announced:
+    first_rank = int(os.environ.get("RANK", "0")) == 0  # under `accelerate launch`, say things once
+    if announced and first_rank:
         print(f"--model toy: toy-sized defaults {', '.join(announced)} (set any of them to change it).")
     if is_toy:
         from transformers.utils import logging as hf_logging
@@ -349,7 +350,8 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
         model_path = kit.model_path
         if not rewards:
             rewards = ["toy_accuracy"]
-            print("--model toy: reward toy_accuracy (pass --reward to choose another).")
+            if first_rank:
+                print("--model toy: reward toy_accuracy (pass --reward to choose another).")
     else:
         from grpo_variants.tasks.models import resolve_model
 

@@ -16,6 +16,8 @@ Command line: every field of the variant's config (TRL's names, ``--learning_rat
   --reward NAME          registered reward (repeatable; default: the recipe's rewards)
   --samples_per_update N completions per optimizer update, over all processes
   --updates_per_rollout N optimizer updates per rollout (the papers' mini-batches)
+  --resume_from_checkpoint true|PATH  as the CLI: true (or latest) resumes from the newest complete
+                         checkpoint in --output_dir; with none there, one line and exit 2
 
 Batching is stated as the papers state it (``samples_per_update`` and ``updates_per_rollout``) and
 turned into TRL's per-device fields for the launched world size::
@@ -318,4 +320,5 @@ def resume_checkpoint(config):
     try:
         return resolve_resume_checkpoint(_resume_value(config.resume_from_checkpoint), config.output_dir)
     except (UsageError, GRPOVariantsError) as err:
-        raise SystemExit(f"error: {err}") from None
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -16,7 +16,8 @@ def _kinds(trainer):
 
 
 def test_live_metrics_pick_a_handful():
-    logs = {"reward": 0.25, "rewards/toy_accuracy/mean": 0.25, "kl": 0.0012, "clip_ratio/region_mean": 0.1,
+    logs = {"reward": 0.25, "rewards/toy_accuracy/mean": 0.25, "rewards/toy_accuracy/right_fraction": 0.25,
+            "kl": 0.0012, "clip_ratio/region_mean": 0.1,
             "throughput/generated_tokens_per_s": 812.4, "loss": 0.3, "grad_norm": 2.0, "eval_toy_accuracy": 0.5}
     assert live_metrics(logs, beta=0.04) == {"reward": "0.25", "held-out acc": "50.0%", "train acc": "25.0%",
                                              "kl": "0.0012", "tok/s": "812"}
@@ -25,8 +26,10 @@ def test_live_metrics_pick_a_handful():
 
 
 def test_summary_rows_first_and_last():
-    records = [{"step": 0, "eval_toy_accuracy": 0.2}, {"step": 1, "reward": 0.1, "rewards/toy_accuracy/mean": 0.1},
-               {"step": 2, "reward": 0.4, "rewards/toy_accuracy/mean": 0.4, "eval_toy_accuracy": 0.6}]
+    records = [{"step": 0, "eval_toy_accuracy": 0.2},
+               {"step": 1, "reward": 0.1, "rewards/toy_accuracy/mean": 0.1, "rewards/toy_accuracy/right_fraction": 0.1},
+               {"step": 2, "reward": 0.4, "rewards/toy_accuracy/mean": 0.4, "rewards/toy_accuracy/right_fraction": 0.4,
+                "eval_toy_accuracy": 0.6}]
     assert summary_rows(records) == [("reward (train rollouts)", "0.1", "0.4"),
                                      ("train accuracy (toy_accuracy)", "10.0%", "40.0%"),
                                      ("held-out accuracy", "20.0%", "60.0%")]

@@ -144,7 +144,7 @@ def test_resume_with_no_checkpoint_fails_before_the_evaluation(tmp_path, capsys,
     assert "holds no complete checkpoint" in _one_line_error(capsys, code)
 
 
-def test_recipes_read_resume_like_the_cli(tmp_path):
+def test_recipes_read_resume_like_the_cli(tmp_path, capsys):
     import sys
 
     sys.path.insert(0, str(REPO / "recipes"))
@@ -153,7 +153,13 @@ def test_recipes_read_resume_like_the_cli(tmp_path):
     finally:
         sys.path.remove(str(REPO / "recipes"))
     config = SimpleNamespace(resume_from_checkpoint="true", output_dir=str(tmp_path))
-    with pytest.raises(SystemExit, match="^error: .*holds no complete checkpoint"):
+    with pytest.raises(SystemExit) as exit_info:
+        resume_checkpoint(config)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "holds no complete checkpoint" in err and len(err.splitlines()) == 1
+    (tmp_path / "checkpoint-3").mkdir()
+    with pytest.raises(SystemExit):  # an incomplete checkpoint is not resumed from either
         resume_checkpoint(config)
     assert resume_checkpoint(SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp_path))) is None
     assert resume_checkpoint(SimpleNamespace(resume_from_checkpoint="false", output_dir=str(tmp_path))) is None
