@@ -532,7 +532,7 @@ def compare(
     eval_size: int | None = None,
     stop: str = "rollout",
     output_dir: str | os.PathLike | None = None,
-    model: str | None = None,
+    model: str | os.PathLike | None = None,
     train_dataset=None,
     eval_dataset=None,
     reward_funcs=None,

@@ -329,3 +329,14 @@ def test_throughput_excludes_an_evaluation(toy_model_path, small_train_dataset, 
     metrics = trainer.evaluate()
     assert "eval_reward" in metrics  # the evaluation generated and scored completions
     assert set(trainer._phase_time.values()) == {0.0}
+
+
+def test_the_lab_takes_a_pathlib_model(toy_model_path, small_train_dataset, tmp_path):
+    from grpo_variants import lab
+
+    result = lab.compare(["grpo"], task="toy-as-a-custom-task", model=Path(toy_model_path),
+                         train_dataset=small_train_dataset, reward_funcs="toy_accuracy", budget_completions=16,
+                         config=dict(per_device_train_batch_size=16, num_generations=4, max_completion_length=6,
+                                     max_steps=1, learning_rate=1e-4, bf16=False),
+                         output_dir=tmp_path / "lab", verbose=False)
+    assert [row["variant"] for row in result.summary_rows] == ["grpo"]
