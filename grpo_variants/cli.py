@@ -124,7 +124,10 @@ def _load_dataset(spec, split: str = "train", config_name: str | None = None, st
     spec = os.fspath(spec)
     if spec == "toy" or spec.startswith("toy:"):
         task = spec.split(":", 1)[1] if ":" in spec else "addition"
-        return toy.make_dataset(task, "train" if split == "train" else "eval")
+        try:
+            return toy.make_dataset(task, "train" if split == "train" else "eval")
+        except ValueError as err:
+            raise UsageError(f"dataset {spec!r}: {err}") from err
     path = Path(os.path.expanduser(spec))
     if path.is_dir():
         from datasets import DatasetDict, load_from_disk
@@ -144,8 +147,9 @@ def _load_dataset(spec, split: str = "train", config_name: str | None = None, st
         return load_dataset(kind, data_files=str(path), split="train")
     if _looks_local(spec):
         parent = path.parent if str(path.parent) not in ("", ".") else Path(".")
-        near = sorted(p.name for p in parent.iterdir() if p.suffix.lower() in _DATA_SUFFIXES or p.is_dir()
-                      )[:8] if parent.is_dir() else []
+        near = sorted(p.name for p in parent.iterdir() if p.suffix.lower() in _DATA_SUFFIXES or (
+            p.is_dir() and any((p / f).exists() for f in ("dataset_info.json", "dataset_dict.json")))
+        )[:8] if parent.is_dir() else []
         raise UsageError(
             f"dataset {spec!r}: no such file or folder" + (f" (in {str(parent)!r}: {near})" if near else "")
             + ". Pass a json/jsonl/csv/parquet file, a save_to_disk folder, a hub id (org/name) or toy."
@@ -346,7 +350,10 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
 
         hf_logging.disable_progress_bar()  # the toy model loads in milliseconds
         task = dataset_spec.split(":", 1)[1] if dataset_spec and dataset_spec.startswith("toy:") else "addition"
-        kit = toy.prepare(task=task)
+        try:
+            kit = toy.prepare(task=task)
+        except ValueError as err:  # an unknown toy task
+            raise UsageError(f"--dataset {dataset_spec!r}: {err}") from err
         model_path = kit.model_path
         if not rewards:
             rewards = ["toy_accuracy"]

@@ -343,6 +343,11 @@ class GRPOVariantConfig(GRPOConfig):
              f"max_steps={self.max_steps} and num_train_epochs={self.num_train_epochs}: training would run 0 steps. "
              "Set max_steps > 0 or num_train_epochs > 0.")
         need(self.beta >= 0, f"beta={self.beta} must be >= 0 (the KL coefficient; 0 drops the KL term).")
+        need(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0 (AdamW's decoupled decay).")
+        strategy = getattr(self.save_strategy, "value", self.save_strategy)
+        need(strategy != "steps" or self.save_steps is None or self.save_steps > 0,
+             f"save_steps={self.save_steps} with save_strategy='steps' would never save: use save_steps > 0, or "
+             "save_strategy='no'.")
 
     def _validate_batch_fields(self) -> None:
         """Check the generation-batch arithmetic before TRL does (TRL raises a bare ValueError).

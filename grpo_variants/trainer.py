@@ -50,6 +50,7 @@ from grpo_variants.validation import (  # noqa: F401  (re-exported: the checks w
     _HUB_ID,
     check_dataset,
     check_model_path,
+    check_output_dir,
     check_prompts_per_round,
     resolve_reward_funcs,
 )
@@ -196,6 +197,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         model = resolve_model(model)  # a registered name ("smollm2") -> its prepared folder
         args = self._coerce_args(args, model)
         check_model_path(model)
+        check_output_dir(args.output_dir)
         check_dataset(train_dataset, "train_dataset")
         check_dataset(eval_dataset, "eval_dataset")
         reward_funcs = resolve_reward_funcs(reward_funcs)

@@ -12,7 +12,7 @@ import re
 
 from grpo_variants.errors import ConfigError, DatasetError, ModelPathError, UnknownRewardError
 
-__all__ = ["check_dataset", "check_model_path", "check_prompts_per_round", "resolve_reward_funcs"]
+__all__ = ["check_dataset", "check_model_path", "check_output_dir", "check_prompts_per_round", "resolve_reward_funcs"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -68,6 +68,21 @@ def _hub_problem(repo_id: str) -> str | None:
             return f"the Hugging Face Hub cannot be reached ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
         return None
     return None
+
+
+def check_output_dir(output_dir) -> None:
+    """``output_dir`` must be a folder this process can create and write (transformers creates it while the
+    trainer is built and fails there with a bare OSError)."""
+    if output_dir is None:
+        return
+    path = os.path.expanduser(os.fspath(output_dir))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be created ({err.strerror or err}): pass a folder "
+                          "you can write to.") from err
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"output_dir={str(output_dir)!r} is not writable: pass a folder you can write to.")
 
 
 def _in_hf_cache(repo_id: str) -> bool:

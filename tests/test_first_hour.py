@@ -89,13 +89,17 @@ BAD_VALUES = [
     (["--repetition_penalty", "0"], "repetition_penalty=0"),
     (["--max_steps", "-1", "--num_train_epochs", "0"], "0 steps"),
     (["--beta", "-1"], "beta=-1"),
+    (["--weight_decay", "-1"], "weight_decay=-1"),
+    (["--save_strategy", "steps", "--save_steps", "0"], "save_steps=0"),
+    (["--dataset", "toy:nosuch"], "Unknown toy task 'nosuch'"),
+    (["--output_dir", "/proc/no-such-folder/run"], "cannot be created"),
 ]
 
 
 @pytest.mark.parametrize("flags,named", BAD_VALUES, ids=[" ".join(f) for f, _ in BAD_VALUES])
 def test_bad_values_fail_in_one_line_before_anything_loads(flags, named, tmp_path, capsys, monkeypatch):
     _no_evaluation(monkeypatch)
-    code = main(["train", "--model", "toy", "--dataset", "toy", "--output_dir", str(tmp_path / "o"), *flags])
+    code = main(["train", "--model", "toy", "--dataset", "toy", "--output_dir", str(tmp_path / "o"), *flags])  # last wins
     assert named in _one_line_error(capsys, code)
 
 
