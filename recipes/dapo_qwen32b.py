@@ -115,7 +115,7 @@ def evaluate_avg_at_k(model_path: str, dataset, reward: str, k: int, temperature
                                 add_special_tokens=False).to(model.device)
                 out = model.generate(**enc, do_sample=True, temperature=temperature, top_p=top_p, top_k=None,
                                      max_new_tokens=max_tokens, num_return_sequences=k,
-                                     pad_token_id=tokenizer.pad_token_id)
+                                     pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
                 texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 completions += [texts[i * k : (i + 1) * k] for i in range(len(batch))]
     score = get_reward(reward)

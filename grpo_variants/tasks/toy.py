@@ -377,6 +377,7 @@ def evaluate(
                     top_p=None,
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id,
+                    synced_gpus=False,  # a whole model on this rank: no lock-step with others (even under ZeRO-3)
                 )
                 texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 correct += sum(scorer(batch, texts, gold))

@@ -281,7 +281,8 @@ def evaluate_details(model_or_path, dataset, tokenizer=None, *, max_new_tokens: 
             batch = prompts[start : start + batch_size]
             enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(device)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None,
-                                 top_p=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                                 top_p=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                 synced_gpus=False)  # a whole model on this rank (toy._load)
             completion = out[:, enc["input_ids"].shape[1] :]
             is_eos = completion == tokenizer.eos_token_id
             has_eos = is_eos.any(dim=1)
