@@ -82,7 +82,9 @@ def gathered_copy(model):
     Collective: every rank must call it (``deepspeed.zero.GatheredParameters`` all-gathers the partitions),
     the same number of times. HF ``generate`` on the partitioned model itself fails ("'weight' must be 2-D")
     or, with ZeRO-3's forward hooks, needs every rank in lock-step; TRL gathers inside its own generation
-    path (``unwrap_model_for_generation``), which takes the DeepSpeed engine. A copy needs only the module.
+    path (``unwrap_model_for_generation``), which takes the DeepSpeed engine. A copy needs only the module,
+    and costs one whole model per rank: meant for the toy kit's held-out evaluation; evaluate a large model
+    through the trainer (``eval_dataset`` + ``eval_strategy``: TRL's own gathered generation).
     """
     import deepspeed
     import torch
@@ -91,9 +93,11 @@ def gathered_copy(model):
     with deepspeed.zero.GatheredParameters(params):
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dtype = params[0].dtype if params else torch.float32
+    device = params[0].device if params else torch.device("cpu")  # where this rank's partitions live
     with zero3_init_disabled():
         plain = type(model)._from_config(model.config, dtype=dtype)
     plain.load_state_dict(state, strict=False)
+    plain.to(device)
     if hasattr(plain, "tie_weights"):
         plain.tie_weights()
     plain.generation_config = getattr(model, "generation_config", plain.generation_config)
