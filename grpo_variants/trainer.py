@@ -269,7 +269,9 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
     def behaviour_changes(self) -> list[str]:
         """What this run does that ``trl.GRPOTrainer`` with the same TRL fields would not, largest first.
 
-        Announced at construction in one line (:meth:`announce_behaviour`). Subclasses extend it (call super).
+        TRL fields we only set differently (``epsilon_high``, ``mask_truncated_completions``, ...) are TRL's own
+        behaviour and go in the defaults line instead (``announce_defaults``). Announced at construction in one
+        line (:meth:`announce_behaviour`). Subclasses extend it (call super).
         """
         a = self.args
         out = []
@@ -286,12 +288,11 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
                        f"{a.updates_per_stage} updates)")
         names = list(getattr(self, "reward_func_names", []))
         if getattr(a, "overlong_penalty", False) and names:
-            out.append(f"reward {names[-1]!r} appended to your {len(names) - 1} (soft overlong punishment, L_max "
-                       f"{a.max_completion_length}, L_cache {a.resolved_overlong_buffer_len}, weight 1)")
+            out.append(f"an extra reward {names[-1]!r} after your {len(names) - 1} reward function(s) (soft overlong "
+                       f"punishment, L_max {a.max_completion_length}, L_cache {a.resolved_overlong_buffer_len}, "
+                       "weight 1)")
         if a.clip_ratio_c is not None:
             out.append(f"dual clip (negative-advantage ratio capped at c={a.clip_ratio_c})")
-        if a.epsilon_high is not None and a.epsilon_high != a.epsilon:
-            out.append(f"clip-higher (ratio clipped to [1-{a.epsilon}, 1+{a.epsilon_high}])")
         from grpo_variants.config import TRL_LOSS_TYPE_TO_AGGREGATION
 
         if a.aggregation is not None and a.aggregation != TRL_LOSS_TYPE_TO_AGGREGATION.get(a.loss_type):
@@ -299,13 +300,11 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         if a.fipo:
             out.append(f"FIPO future-KL advantage weights (tau={a.fipo_tau})")
         if a.veto_scope is not None:
-            out.append(f"{a.veto_scope}-level veto of tokens with ratio below {a.veto_threshold}")
+            out.append(f"a veto of tokens whose ratio falls below {a.veto_threshold} (scope {a.veto_scope!r})")
         if a.kl_in_reward:
             out.append(f"KL subtracted from the reward (beta={a.beta}) instead of added to the loss")
         if a.adaptive_clip_target is not None:
             out.append(f"adaptive clip range (target clipped fraction {a.adaptive_clip_target})")
-        if a.mask_truncated_completions:
-            out.append("truncated completions masked out of the loss (overlong filtering)")
         return out
 
     def announce_behaviour(self) -> str | None:

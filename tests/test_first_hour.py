@@ -198,7 +198,7 @@ def test_the_start_up_line_names_the_behaviour_changes(toy_model_path, small_tra
         trainer = spec.trainer_cls(model=toy_model_path, reward_funcs="toy_accuracy_pm1", args=args,
                                    train_dataset=small_train_dataset)
     line = trainer.announce_behaviour()
-    for what in ("dynamic sampling", "'overlong_penalty' appended", "dual clip", "clip-higher"):
+    for what in ("dynamic sampling", "an extra reward 'overlong_penalty'", "dual clip"):
         assert what in line
     assert line in caplog.text and "\n" not in line
     plain = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=make_args(),
