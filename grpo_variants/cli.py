@@ -362,7 +362,10 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
     else:
         from grpo_variants.tasks.models import resolve_model
 
+        from grpo_variants.validation import check_model_path
+
         model_path = resolve_model(model)  # a path, a hub id, or a registered name such as "smollm2"
+        check_model_path(model_path)  # before any dataset loads (the trainer checks it again, for API users)
         if not rewards:
             raise UsageError("train needs at least one --reward NAME / --reward_funcs NAME (see `grpo-variants list`).")
         model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=config.trust_remote_code,

@@ -35,6 +35,7 @@ available, HF ``generate`` otherwise; ``--use_vllm false`` forces the latter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -235,12 +236,7 @@ def load_prompts(spec: DatasetSpec, system_prompt: str | None = None, max_sample
     """The dataset as ``prompt`` (a conversation) + ``answer`` (gold) columns."""
     from grpo_variants.cli import _load_dataset
 
-    if spec.config is not None:
-        from datasets import load_dataset
-
-        dataset = load_dataset(os.fspath(spec.path), spec.config, split=spec.split)
-    else:
-        dataset = _load_dataset(spec.path, split=spec.split)
+    dataset = _load_dataset(spec.path, split=spec.split, config_name=spec.config)  # a hub id, file or folder
     if spec.filter is not None:
         dataset = dataset.filter(spec.filter)
     if max_samples is not None:
@@ -264,27 +260,45 @@ def resolve_inputs(recipe: Recipe, options):
     if options.toy:
         from grpo_variants.tasks import toy
 
+        ignored = [f"--{name}" for name in ("model", "dataset", "dataset_config", "dataset_split", "max_train_samples")
+                   if getattr(options, name) is not None]
+        if ignored:
+            from grpo_variants.cli import UsageError
+
+            raise UsageError(f"--toy runs the toy kit (its policy, prompts and held-out set), so {', '.join(ignored)} "
+                             "would not be used: drop them, or drop --toy.")
         kit = toy.prepare(verbose=is_main_process())
         return kit.model_path, kit.train_dataset, options.reward or ["toy_accuracy"], kit.eval_dataset
+    from grpo_variants.tasks.models import resolve_model
+    from grpo_variants.validation import check_model_path
+
+    model = resolve_model(options.model or recipe.model)
+    check_model_path(model)  # before the dataset downloads: a wrong model fails first, in one line
     spec = recipe.dataset
     if options.dataset:
         spec = dataclasses.replace(spec, path=options.dataset, config=options.dataset_config, filter=None)
     if options.dataset_split:
         spec = dataclasses.replace(spec, split=options.dataset_split)
     dataset = load_prompts(spec, recipe.system_prompt, options.max_train_samples)
-    return options.model or recipe.model, dataset, options.reward or list(recipe.rewards), None
+    return model, dataset, options.reward or list(recipe.rewards), None
 
 
 # ------------------------------------------------------------------------------------------------
 # the run
 # ------------------------------------------------------------------------------------------------
 def main(recipe: Recipe, argv: list[str] | None = None):
-    """Parse, load, train, save; with ``--toy`` also print held-out accuracy before and after."""
-    from grpo_variants import get_variant, toy
+    """Parse, load, train, save; with ``--toy`` also print held-out accuracy before and after.
 
-    config, options = build_config(recipe, argv)
-    resume = resume_checkpoint(config)  # before anything loads: a resume with no checkpoint is one line
-    model, train_dataset, rewards, eval_dataset = resolve_inputs(recipe, options)
+    Bad input (a config value, a dataset or model that cannot be found or reached, a resume with nothing to
+    resume from) exits with one line (code 2) before any model is loaded or evaluated.
+    """
+    from grpo_variants import toy
+
+    with one_line_errors():
+        config, options = build_config(recipe, argv)
+        resume = resume_checkpoint(config)
+        model, train_dataset, rewards, eval_dataset = resolve_inputs(recipe, options)
+        trainer = get_trainer(recipe, model, rewards, config, train_dataset)
     if is_main_process():
         per_update = config.per_device_train_batch_size * world_size() * config.gradient_accumulation_steps
         updates = config.steps_per_generation * config.num_iterations / config.gradient_accumulation_steps
@@ -297,9 +311,6 @@ def main(recipe: Recipe, argv: list[str] | None = None):
         accuracy = toy.evaluate(model, eval_dataset)
         if is_main_process():
             print(f"[{recipe.variant}] held-out accuracy before: {accuracy:.1%}")
-    trainer = get_variant(recipe.variant).trainer_cls(
-        model=model, reward_funcs=rewards, args=config, train_dataset=train_dataset
-    )
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(config.output_dir)
     if eval_dataset is not None:
@@ -309,16 +320,31 @@ def main(recipe: Recipe, argv: list[str] | None = None):
     return trainer
 
 
+def get_trainer(recipe: Recipe, model, rewards, config, train_dataset):
+    from grpo_variants import get_variant
+
+    return get_variant(recipe.variant).trainer_cls(model=model, reward_funcs=rewards, args=config,
+                                                   train_dataset=train_dataset)
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """grpo-variants' own errors (bad input, each with its fix) as one line on stderr and exit code 2."""
+    from grpo_variants.errors import GRPOVariantsError
+
+    try:
+        yield
+    except GRPOVariantsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def resume_checkpoint(config):
     """``--resume_from_checkpoint`` as the CLI reads it: ``true`` / ``latest`` -> the newest complete checkpoint
     in ``output_dir``, a folder -> that checkpoint, ``false`` / absent -> a fresh run. A resume with nothing to
     resume from exits with one line (before any model is loaded)."""
-    from grpo_variants.cli import UsageError, _resume_value
-    from grpo_variants.errors import GRPOVariantsError
+    from grpo_variants.cli import _resume_value
     from grpo_variants.reliability import resolve_resume_checkpoint
 
-    try:
+    with one_line_errors():
         return resolve_resume_checkpoint(_resume_value(config.resume_from_checkpoint), config.output_dir)
-    except (UsageError, GRPOVariantsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None

@@ -344,3 +344,35 @@ def test_the_lab_takes_a_pathlib_model(toy_model_path, small_train_dataset, tmp_
                                      max_steps=1, learning_rate=1e-4, bf16=False),
                          output_dir=tmp_path / "lab", verbose=False)
     assert [row["variant"] for row in result.summary_rows] == ["grpo"]
+
+
+def _recipes():
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        return importlib.import_module("_common"), importlib.import_module("grpo_qwen")
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--dataset", "./no-such-prompts.jsonl", "--model", "{toy}"], "no such file or folder"),
+    (["--dataset", "./no-such-prompts.jsonl"], "does not exist"),  # the recipe's hub model, offline: first
+    (["--toy", "--learning_rate", "-1"], "learning_rate=-1"),
+    (["--toy", "--model", "/no/such/model"], "--toy runs the toy kit"),
+    (["--dataset", "{questions}", "--model", "/no/such/model"], "does not exist"),
+    (["--toy", "--resume_from_checkpoint", "true"], "holds no complete checkpoint"),
+])
+def test_recipes_fail_in_one_line_before_anything_loads(flags, named, tmp_path, capsys, monkeypatch, toy_model_path):
+    _no_evaluation(monkeypatch)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text('{"question": "1+1?", "answer": "2"}\n')
+    flags = [f.format(questions=questions, toy=toy_model_path) for f in flags]
+    common, grpo_qwen = _recipes()
+    with pytest.raises(SystemExit) as exit_info:
+        common.main(grpo_qwen.RECIPE, [*flags, "--output_dir", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and named in err and len(err.splitlines()) == 1, err
