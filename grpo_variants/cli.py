@@ -160,9 +160,9 @@ def _load_dataset(spec, split: str = "train", config_name: str | None = None, st
         return load_dataset(spec, name=config_name, split=split, streaming=streaming)
     except Exception as err:  # noqa: BLE001 - any hub failure becomes one line (the cause stays chained)
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or "offline" in first.lower()
+        offline = "offline" in first.lower()
         unreachable = offline or isinstance(err, (ConnectionError, TimeoutError)) or "reach" in first.lower()
-        hint = ("the Hugging Face Hub cannot be reached" + (" (HF_HUB_OFFLINE is set)" if offline else "")
+        hint = ("the Hugging Face Hub cannot be reached" + (" (offline mode is set)" if offline else "")
                 + " and it is not in the local cache; pass a local json/jsonl/csv/parquet file or save_to_disk "
                 "folder, or toy, or connect and retry" if unreachable
                 else f"{type(err).__name__}: {first}")
