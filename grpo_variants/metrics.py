@@ -13,8 +13,11 @@ update, dropped groups and drafts included) with the running token totals, and t
 (:meth:`TrainerMetrics.token_ledger`: ``token_fate/<fate>``, cumulative fractions of generated tokens, and
 ``tokens/signal_fraction``, generated tokens that reached an update with non-zero advantage). Per rollout
 (``_on_rollout_done``): ``time/{generation,reward,logprobs,rollout}_s``,
-``throughput/generated_tokens_per_s``, ``tokens/{generated,kept_fraction}``. Per reward call
-(``_log_reward_health``): ``rewards/<name>/{error_rate,timeout_rate,nan_rate,cache_hit_rate,time_s}``.
+``throughput/generated_tokens_per_s``, ``tokens/{generated,kept_fraction}`` (training rollouts only: an
+evaluation's rollouts add no seconds to these), ``rollout/zero_signal`` (1 when every group of the rollout had
+zero reward variance: no policy gradient; warned once). Per reward call (``_log_reward_health``):
+``rewards/<name>/{error_rate,timeout_rate,nan_rate,cache_hit_rate,time_s}``, and for an accuracy reward
+``rewards/<name>/right_fraction`` (the training accuracy: the share it scored above 0).
 """
 
 from __future__ import annotations
