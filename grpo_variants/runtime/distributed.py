@@ -96,7 +96,7 @@ def gathered_copy(model):
     device = params[0].device if params else torch.device("cpu")  # where this rank's partitions live
     with zero3_init_disabled():
         plain = type(model)._from_config(model.config, dtype=dtype)
-    plain.load_state_dict(state, strict=False)
+    plain.load_state_dict(state)  # strict: every gathered tensor has its place, and nothing is left unset
     plain.to(device)
     if hasattr(plain, "tie_weights"):
         plain.tie_weights()
