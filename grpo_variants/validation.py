@@ -164,7 +164,12 @@ def resolve_reward_funcs(reward_funcs) -> list:
                 continue
             except UnknownRewardError:
                 if os.path.isdir(os.path.expanduser(item)) or _HUB_ID.match(item):
-                    resolved.append(item)  # a reward *model*: TRL loads it
+                    try:
+                        check_model_path(item)  # a reward *model*: TRL loads it; it must exist or be reachable
+                    except ModelPathError as err:
+                        raise ModelPathError(f"reward_funcs entry {item!r} is not a registered reward name, and as a "
+                                             f"reward model: {err}") from err
+                    resolved.append(item)
                     continue
                 raise
         elif not callable(item):

@@ -376,3 +376,12 @@ def test_recipes_fail_in_one_line_before_anything_loads(flags, named, tmp_path, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and named in err and len(err.splitlines()) == 1, err
+
+
+def test_an_unreachable_reward_model(tmp_path, capsys, monkeypatch):
+    _no_evaluation(monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = main(["train", "--model", "toy", "--dataset", "toy", "--reward", "no-such-org/no-such-reward-model",
+                 "--output_dir", str(tmp_path / "o")])
+    err = _one_line_error(capsys, code)
+    assert "not a registered reward name" in err and "HF_HUB_OFFLINE" in err
