@@ -418,6 +418,8 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
         raise
     trainer.save_model(config.output_dir)
     after = toy.evaluate(trainer.model, heldout, trainer.processing_class) if toy_eval else None
+    if toy_eval:  # the before / after points on reward_curve.png
+        trainer.run_record.record_heldout(before, after, f"held-out greedy accuracy ({len(heldout)} problems)")
     if trainer.is_world_process_zero():
         _print_summary(spec, trainer, before, after, heldout)
     return 0
