@@ -62,7 +62,15 @@ SUITE_TARGETS = re.compile(r"^(\s*)make\s+(test|test-fast|test-portable)\b")
 
 # Blocks that fail on main because of a bug another change fixes: (file, a line of the block) -> reason.
 # Strict: the test fails once the bug is fixed, so the entry is removed then.
-KNOWN_FAILURES: dict[tuple[str, str], str] = {}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {
+    # a pathlib.Path model reaches TRL unchanged: AttributeError: 'PosixPath' object has no attribute 'config'
+    ("README.md", "trainer = GRPOVariantTrainer(model=smollm2(), reward_funcs=\"math_accuracy\","):
+        "#26 part B: Path models",
+    # the 2-process ZeRO-3 launch of a recipe with --toy (held-out evaluation on partitioned parameters)
+    ("recipes/README.md", "accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 2 "
+                          "recipes/grpo_qwen.py --toy"):
+        "#26 part B: ZeRO-3 held-out evaluation",
+}
 
 
 @dataclass
@@ -206,6 +214,11 @@ def test_the_docs_have_runnable_blocks_in_every_tier():
     assert {b.tier for b in BLOCKS} >= {"fast", "slow", "excerpt"}
 
 
+def test_known_failures_name_existing_blocks():
+    for (path, line), reason in KNOWN_FAILURES.items():
+        assert any(b.path == path and line in b.code for b in BLOCKS), f"{reason}: no block of {path} has {line!r}"
+
+
 def test_excerpts_are_verbatim():
     for block in (b for b in BLOCKS if b.tier == "excerpt"):
         source = (ROOT / block.tags["excerpt"]).read_text(encoding="utf-8")
@@ -327,8 +340,12 @@ def _python_groups(tier: str):
     for block in BLOCKS:
         if block.tier == tier and block.language == "python":
             groups.setdefault(block.path, []).append(block)
-    marks = [pytest.mark.slow] if tier == "slow" else []
-    return [pytest.param(blocks, id=path, marks=marks) for path, blocks in groups.items()]
+    params = []
+    for path, blocks in groups.items():
+        marks = [pytest.mark.slow] if tier == "slow" else []
+        marks += [known for known in map(_known_failure, blocks) if known is not None][:1]
+        params.append(pytest.param(blocks, id=path, marks=marks))
+    return params
 
 
 @pytest.mark.parametrize("blocks", _python_groups("fast"))
