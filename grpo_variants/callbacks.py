@@ -243,7 +243,7 @@ def reward_curve_figure(records: list[dict], title: str = "Reward during trainin
     same_as_reward = None
     for key in _accuracy_keys(records):
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        if not points:
+        if not points or min(v for _, v in points) < 0.0:  # a ±1 reward's mean is not a fraction right
             continue
         if [a for _, a in points] == rewards:  # the only reward: the reward line is its training accuracy
             same_as_reward = key.split("/")[1]
@@ -270,6 +270,12 @@ def reward_curve_figure(records: list[dict], title: str = "Reward during trainin
                 label=f"{heldout.get('label', 'held-out accuracy')}: before {held[0]:.1%}")
         ax.plot([after_step], [held[1]], "*", color="tab:purple", markersize=13,
                 label=f"{heldout.get('label', 'held-out accuracy')}: after {held[1]:.1%}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # optimizer steps are whole numbers
+    xs = [x for line in ax.lines for x in line.get_xdata()]
+    if xs and max(xs) - min(xs) < 2:  # one or two steps: whole-step ticks around them
+        ax.set_xlim(min(xs) - 1, max(xs) + 1)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward / accuracy")
     values = rewards + [a for _, a in acc] + [v for _, v in eval_reward] + held

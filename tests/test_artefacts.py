@@ -66,6 +66,15 @@ def test_no_label_or_legend_outside_the_image():
     assert _inside(fig.axes[0].get_legend().get_window_extent(renderer), fig.bbox)
 
 
+def test_a_pm1_reward_mean_is_not_labelled_accuracy():
+    records = [{"step": 1, "reward": -0.6, "rewards/toy_accuracy_pm1/mean": -0.6}]
+    labels = [line.get_label() for line in reward_curve_figure(records).axes[0].lines]
+    assert labels == ["mean reward (train rollouts)"]
+    records = [{"step": 1, "reward": 0.3, "rewards/toy_accuracy/mean": 0.3}]
+    labels = [line.get_label() for line in reward_curve_figure(records).axes[0].lines]
+    assert labels == ["mean reward = training accuracy (toy_accuracy)"]
+
+
 def test_eval_reward_and_heldout_before_after_are_plotted():
     records = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.3}, {"step": 2, "eval_reward": 0.25}]
     fig = reward_curve_figure(records, heldout={"before": 0.2, "after": 0.45, "after_step": 2, "label": "held-out"})
