@@ -385,3 +385,12 @@ def test_suite_lines_become_dry_runs():
     assert _shell_code(block) == "make demo\nmake -n test   # all\n  make -n test-fast\nmake tests\n"
     console = Block("x.md", 1, "console", "$ grpo-variants list\ngrpo  GRPO\n$ make test-portable\n")
     assert _shell_code(console) == "grpo-variants list\nmake -n test-portable\n"
+
+
+def test_the_readme_stays_a_five_minute_read():
+    """Under 12 kB, and its set-up is exactly the two commands (issue #26); details live in docs/ and
+    benchmarks/README.md."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.encode("utf-8")) < 12 * 1024, f"README.md is {len(text.encode()):,} bytes"
+    setup = [b for b in BLOCKS if b.path == "README.md" and b.language == "bash"][0]
+    assert [line.split("#")[0].strip() for line in setup.code.splitlines()] == ["make demo", "make test"]
