@@ -167,3 +167,20 @@ def test_bitsandbytes_cpu_kernel_warning_is_filtered(logger_name, caplog):
         logger.warning("something else bitsandbytes says")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["something else bitsandbytes says"]
+
+
+def test_importing_the_package_then_peft_prints_no_bitsandbytes_kernel_warning():
+    """End to end where bitsandbytes is installed (the ``quant`` extra): ``import peft`` alone prints the
+    warning on CPUs with AVX512-BF16 and no ``kernels`` package; after ``import grpo_variants`` it does not."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed (the `quant` extra); the logger filter is tested above")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", "import grpo_variants, peft, bitsandbytes"], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "gemm_4bit_forward" not in done.stdout + done.stderr
