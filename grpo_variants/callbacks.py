@@ -118,6 +118,7 @@ class RunRecordCallback(TrainerCallback):
     """
 
     FILES = ("metrics.jsonl", "trainer_state.json", "reward_curve.png", "README.md")
+    heldout: dict | None = None  # held-out accuracy before / after training, see record_heldout
 
     def __init__(self, trainer, print_summary: bool = True):
         self.trainer = trainer
@@ -153,19 +154,13 @@ class RunRecordCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        import logging
-
         self.output_dir.mkdir(parents=True, exist_ok=True)
         paths = self.paths()
         state.save_to_json(str(paths["trainer_state.json"]))
         self.written = [paths["metrics.jsonl"], paths["trainer_state.json"]]
-        try:
-            records = read_jsonl(paths["metrics.jsonl"]) if paths["metrics.jsonl"].exists() else []
-            name = getattr(self.trainer, "variant_name", None) or "grpo"
-            plot_reward_curve(records, paths["reward_curve.png"], title=f"{name}: reward during training")
+        self.final_step = state.global_step
+        if self.plot():
             self.written.append(paths["reward_curve.png"])
-        except Exception as exc:  # noqa: BLE001 - a missing plot must not lose a finished run
-            logging.getLogger(__name__).warning("reward_curve.png not written: %s", exc)
         model_name = Path(args.output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
         self.trainer.create_model_card(model_name=model_name)
         self.written.append(paths["README.md"])
@@ -177,6 +172,30 @@ class RunRecordCallback(TrainerCallback):
             print(summary_table(f"{name}: {state.global_step} optimizer steps", summary_rows(self.records()),
                                 self.seconds, f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})"),
                   flush=True)
+
+
+    def plot(self) -> bool:
+        """(Re)write ``reward_curve.png`` from ``metrics.jsonl`` (and the held-out points, if recorded)."""
+        import logging
+
+        paths = self.paths()
+        try:
+            records = read_jsonl(paths["metrics.jsonl"]) if paths["metrics.jsonl"].exists() else []
+            name = getattr(self.trainer, "variant_name", None) or "grpo"
+            plot_reward_curve(records, paths["reward_curve.png"], title=f"{name}: reward during training",
+                              heldout=self.heldout)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a missing plot must not lose a finished run
+            logging.getLogger(__name__).warning("reward_curve.png not written: %s", exc)
+            return False
+
+    def record_heldout(self, before: float, after: float, label: str = "held-out accuracy") -> None:
+        """Add the held-out accuracy measured before and after ``train()`` to ``reward_curve.png`` (as the
+        points at step 0 and at the last step) and redraw it; main process only."""
+        self.heldout = {"before": before, "after": after, "label": label,
+                        "after_step": getattr(self, "final_step", None) or self.trainer.state.global_step}
+        if self.trainer.is_world_process_zero():
+            self.plot()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -191,9 +210,24 @@ def _accuracy_keys(records: list[dict]) -> list[str]:
     return keys_of({k for r in records for k in r})
 
 
-def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str = "Reward during training") -> Path:
-    """Plot mean reward, training accuracy (per-reward means of accuracy rewards) and held-out accuracy
-    (``eval_toy_accuracy`` if logged) against optimizer step to a PNG."""
+def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str = "Reward during training",
+                      heldout: dict | None = None) -> Path:
+    """Plot to a PNG, against optimizer step: mean training reward, training accuracy (per-reward means of
+    accuracy rewards), the eval reward TRL logs on ``eval_dataset`` (``eval_reward``), held-out accuracy
+    logged during training (``eval_toy_accuracy``) and, with ``heldout={"before": b, "after": a,
+    "after_step": n, "label": ...}``, the held-out accuracy before training (step 0) and after it (step n).
+
+    Every series has markers, so a run with one logged point still shows it; the layout keeps every label
+    and the legend inside the image."""
+    fig = reward_curve_figure(records, title, heldout)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def reward_curve_figure(records: list[dict], title: str = "Reward during training", heldout: dict | None = None):
+    """The figure :func:`plot_reward_curve` saves (a bare matplotlib ``Figure``)."""
     # A bare Figure with its own Agg canvas: nothing global changes, so a notebook's inline backend
     # (and any pyplot state of the user's) is left as it was.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -202,14 +236,15 @@ def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str =
     steps = [r["step"] for r in records if r.get("reward") is not None]
     rewards = [r["reward"] for r in records if r.get("reward") is not None]
     acc = [(r["step"], r["eval_toy_accuracy"]) for r in records if r.get("eval_toy_accuracy") is not None]
-    fig = Figure(figsize=(7, 4))
+    eval_reward = [(r["step"], r["eval_reward"]) for r in records if r.get("eval_reward") is not None]
+    fig = Figure(figsize=(7, 4), layout="constrained")  # labels, title and legend never clipped
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     lines = []
     same_as_reward = None
     for key in _accuracy_keys(records):
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        if not points:
+        if not points or min(v for _, v in points) < 0.0:  # a ±1 reward's mean is not a fraction right
             continue
         if [a for _, a in points] == rewards:  # the only reward: the reward line is its training accuracy
             same_as_reward = key.split("/")[1]
@@ -217,24 +252,40 @@ def plot_reward_curve(records: list[dict], path: str | os.PathLike, title: str =
             lines.append((points, f"training accuracy ({key.split('/')[1]})"))
     label = ("mean reward = training accuracy" + f" ({same_as_reward})" if same_as_reward
              else "mean reward (train rollouts)")
-    ax.plot(steps, rewards, label=label, color="tab:blue", alpha=0.8)
+    marker = dict(marker="o", markersize=4)
+    ax.plot(steps, rewards, label=label, color="tab:blue", alpha=0.8, **marker)
     for points, acc_label in lines:
-        ax.plot([s for s, _ in points], [a for _, a in points], "--", label=acc_label, alpha=0.7)
+        ax.plot([s for s, _ in points], [a for _, a in points], "--", label=acc_label, alpha=0.7, **marker)
+    if eval_reward:
+        ax.plot([s for s, _ in eval_reward], [v for _, v in eval_reward], "s-", label="eval reward (eval_dataset)",
+                color="tab:green", markersize=5)
     if acc:
-        ax.plot([s for s, _ in acc], [a for _, a in acc], "o-", label="held-out greedy accuracy", color="tab:red")
+        ax.plot([s for s, _ in acc], [a for _, a in acc], "o-", label="held-out greedy accuracy", color="tab:red",
+                markersize=5)
+    held = []
+    if heldout is not None and heldout.get("before") is not None and heldout.get("after") is not None:
+        held = [heldout["before"], heldout["after"]]
+        after_step = heldout.get("after_step", max(steps + [s for s, _ in acc] + [1]))
+        ax.plot([0, after_step], held, ":", color="tab:purple", alpha=0.6)
+        ax.plot([0], [held[0]], "D", color="tab:purple", markersize=8,
+                label=f"{heldout.get('label', 'held-out accuracy')}: before {held[0]:.1%}")
+        ax.plot([after_step], [held[1]], "*", color="tab:purple", markersize=13,
+                label=f"{heldout.get('label', 'held-out accuracy')}: after {held[1]:.1%}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # optimizer steps are whole numbers
+    xs = [x for line in ax.lines for x in line.get_xdata()]
+    if xs and max(xs) - min(xs) < 2:  # one or two steps: whole-step ticks around them
+        ax.set_xlim(min(xs) - 1, max(xs) + 1)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward / accuracy")
-    values = rewards + [a for _, a in acc]
+    values = rewards + [a for _, a in acc] + [v for _, v in eval_reward] + held
     if not values or (min(values) >= 0.0 and max(values) <= 1.0):
         ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="best", framealpha=0.85)
+    ax.legend(loc="best", framealpha=0.85, fontsize="small")
     ax.set_title(title)
-    fig.subplots_adjust(left=0.1, right=0.97, top=0.91, bottom=0.12)  # fixed margins: tight_layout costs ~0.2 s
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    return path
+    return fig
 
 
 # ------------------------------------------------------------------------------------------------

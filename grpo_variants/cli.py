@@ -99,7 +99,61 @@ def _parser(spec, variant_given: bool):
     )
     parser.add_argument(
         "--config", default=None, help="YAML file of field: value (the keys of `trl grpo` configs; env: sets variables).")
+    _fill_variant_help(parser, spec)
     return parser
+
+
+def field_help(config_cls, name: str) -> str | None:
+    """The help of field ``name``: its own metadata, else the nearest base dataclass's (a variant that
+    redefines a field to set its paper's default keeps the meaning documented where the field was made)."""
+    import dataclasses
+
+    for cls in config_cls.__mro__:
+        if not dataclasses.is_dataclass(cls):
+            continue
+        found = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+        if found is not None and found.metadata.get("help"):
+            return found.metadata["help"]
+    return None
+
+
+def _fill_variant_help(parser, spec) -> None:
+    """Every field of the variant's config shows a help text and its default in ``--help``.
+
+    argparse prints ``(default: ...)`` only for options that have a help text, and a variant config
+    redefines the fields whose paper default differs from TRL's without repeating their help. Those
+    options get the base field's help, and a field whose variant default differs from ``trl.GRPOConfig``'s
+    says so (``this variant's default; TRL's: ...``)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    config_fields = {f.name: f for f in dataclasses.fields(spec.config_cls) if f.init}
+    trl_fields = {f.name: f for f in dataclasses.fields(GRPOConfig) if f.init}
+    for action in parser._actions:
+        if any(o.startswith(("--no_", "--no-")) for o in action.option_strings):  # a boolean field's negation
+            action.help = f"Set {action.dest} to False.%(default).0s"  # (no "(default: False)" of the negation)
+            continue
+        field_ = config_fields.get(action.dest)
+        if field_ is None:
+            continue
+        text = action.help or field_help(spec.config_cls, action.dest) or f"A field of {spec.config_cls.__name__}."
+        trl_field = trl_fields.get(action.dest)
+        if trl_field is not None:
+            default, trl_default = _default_of(field_), _default_of(trl_field)
+            if default != trl_default:
+                text = f"{text} [{spec.name}'s default; TRL's: {trl_default!r}]"
+        action.help = text.replace("%", "%%") if action.help is None else text
+
+
+def _default_of(field_):
+    import dataclasses
+
+    if field_.default is not dataclasses.MISSING:
+        return field_.default
+    if field_.default_factory is not dataclasses.MISSING:
+        return field_.default_factory()
+    return None
 
 
 _DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -414,6 +468,8 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
         raise
     trainer.save_model(config.output_dir)
     after = toy.evaluate(trainer.model, heldout, trainer.processing_class) if toy_eval else None
+    if toy_eval:  # the before / after points on reward_curve.png
+        trainer.run_record.record_heldout(before, after, f"held-out greedy accuracy ({len(heldout)} problems)")
     if trainer.is_world_process_zero():
         _print_summary(spec, trainer, before, after, heldout)
     return 0

@@ -81,7 +81,9 @@ def run(args) -> int:
     # the record starts at step 0 with the starting model's held-out accuracy, and the plot shows it
     records = [{"step": 0, "wall_seconds": 0.0, "eval_toy_accuracy": before}] + read_jsonl(paths["metrics.jsonl"])
     paths["metrics.jsonl"].write_text("".join(json.dumps(r) + "\n" for r in records))
-    plot_reward_curve(records, paths["reward_curve.png"], title=f"{spec.name} on the toy task")
+    plot_reward_curve(records, paths["reward_curve.png"], title=f"{spec.name} on the toy task",
+                      heldout={"before": before, "after": after, "after_step": trainer.state.global_step,
+                               "label": f"held-out greedy accuracy ({n_eval} problems)"})
     seconds = round(time.perf_counter() - started, 1)
     summary = {
         "variant": spec.name,

@@ -144,8 +144,100 @@ def _show(value) -> str:
     return f"`{value!r}`"
 
 
-def model_card_section(args, spec, title: str, paper_id: str) -> str:
-    """The Markdown the model card gets after TRL's text: variant, paper, hyper-parameter table."""
+def describe_base_model(name_or_path: str | None) -> str:
+    """A model's name for the card: a hub id as a link, a local folder as its path."""
+    if not name_or_path:
+        return "a model object passed to the trainer (it carries no name or path)"
+    name_or_path = str(name_or_path)
+    if os.path.isdir(name_or_path) or os.path.isabs(name_or_path) or name_or_path.startswith("."):
+        return f"`{name_or_path}` (a local folder)"
+    return f"[{name_or_path}](https://huggingface.co/{name_or_path})"
+
+
+def describe_dataset(dataset, name: str | None = None) -> str | None:
+    """``name`` or the dataset's own name (hub id / builder), its size and columns; None without one."""
+    if dataset is None:
+        return None
+    if isinstance(dataset, dict):
+        return "; ".join(f"{key}: {describe_dataset(value)}" for key, value in dataset.items())
+    info = getattr(dataset, "info", None)
+    own = name or (getattr(info, "dataset_name", None) or getattr(info, "builder_name", None) if info else None)
+    parts = [f"`{own}`" if own else "an in-memory dataset"]
+    try:
+        parts.append(f"{len(dataset):,} rows")
+    except TypeError:
+        parts.append("streamed")
+    columns = getattr(dataset, "column_names", None)
+    if columns:
+        parts.append("columns " + ", ".join(f"`{c}`" for c in columns))
+    return ", ".join(parts)
+
+
+def lora_settings(model) -> dict | None:
+    """The PEFT adapter settings of a ``PeftModel`` (None for a plain model)."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None
+    adapter = getattr(model, "active_adapter", None)
+    config = configs.get(adapter) if isinstance(adapter, str) and adapter in configs else next(iter(configs.values()))
+    values = {"peft_type": getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None))}
+    for key in ("r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "bias", "use_rslora",
+                "use_dora"):
+        value = getattr(config, key, None)
+        if isinstance(value, (set, frozenset)):
+            value = sorted(value)
+        if value not in (None, False) or key in ("r", "lora_alpha", "lora_dropout"):
+            values[key] = value
+    return values
+
+
+def deepspeed_settings(accelerator) -> dict | None:
+    """ZeRO stage, offload devices and process count of a DeepSpeed run (None without DeepSpeed)."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    zero = (getattr(plugin, "deepspeed_config", None) or {}).get("zero_optimization", {}) or {}
+    values = {"zero_stage": int(getattr(plugin, "zero_stage", zero.get("stage", 0)) or 0),
+              "processes": getattr(accelerator, "num_processes", None)}
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device")
+        if device not in (None, "none"):
+            values[f"{key}_device"] = device
+    return values
+
+
+def model_card_setup(trainer, dataset_name: str | None = None) -> dict:
+    """What the model card says about a run besides its hyper-parameters."""
+    model = trainer.model
+    config = getattr(model, "config", None)
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None and hasattr(quant, "to_dict"):
+        quant = quant.to_dict()
+    if isinstance(quant, dict):
+        quant = {k: v for k, v in quant.items() if k in ("quant_method", "load_in_4bit", "load_in_8bit",
+                                                         "bnb_4bit_quant_type", "bnb_4bit_compute_dtype")}
+    weights = getattr(trainer, "reward_weights", None)
+    weights = weights.tolist() if hasattr(weights, "tolist") else list(weights or [])
+    names = list(getattr(trainer, "reward_func_names", []) or [])
+    return {
+        "base_model": getattr(config, "_name_or_path", None) if config is not None else None,
+        "rewards": list(zip(names, weights + [1.0] * (len(names) - len(weights)))),
+        "train_dataset": describe_dataset(getattr(trainer, "train_dataset", None), dataset_name),
+        "eval_dataset": describe_dataset(getattr(trainer, "eval_dataset", None)),
+        "lora": lora_settings(model),
+        "quantization": quant or None,
+        "deepspeed": deepspeed_settings(trainer.accelerator),
+        "processes": getattr(trainer.accelerator, "num_processes", 1),
+    }
+
+
+def _settings(values: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in values.items())
+
+
+def model_card_section(args, spec, title: str, paper_id: str, setup: dict | None = None) -> str:
+    """The Markdown the model card gets after TRL's text: variant, paper, base model, rewards, data,
+    LoRA / quantization / DeepSpeed settings, and the hyper-parameter table."""
     name = spec.name if spec else "grpo (TRL's GRPO loss)"
     desc = f": {spec.description}" if spec else ""
     lines = [
@@ -154,6 +246,25 @@ def model_card_section(args, spec, title: str, paper_id: str) -> str:
         f"Variant **{name}**{desc}.",
         f"Paper: [{title}](https://arxiv.org/abs/{paper_id}) (arXiv {paper_id}).",
         "",
+    ]
+    if setup is not None:
+        rewards = ", ".join(f"`{n}` (weight {w:g})" for n, w in setup.get("rewards", [])) or "none recorded"
+        lines += [
+            f"* Base model: {describe_base_model(setup.get('base_model'))}",
+            f"* Rewards: {rewards}",
+            f"* Training data: {setup.get('train_dataset') or 'not recorded'}",
+        ]
+        if setup.get("eval_dataset"):
+            lines.append(f"* Evaluation data: {setup['eval_dataset']}")
+        lines.append(f"* LoRA: {_settings(setup['lora'])}" if setup.get("lora") else "* LoRA: none (full fine-tuning)")
+        if setup.get("quantization"):
+            lines.append(f"* Quantization: {_settings(setup['quantization'])}")
+        if setup.get("deepspeed"):
+            lines.append(f"* DeepSpeed: {_settings(setup['deepspeed'])}")
+        else:
+            lines.append(f"* DeepSpeed: none ({setup.get('processes', 1)} process(es))")
+        lines.append("")
+    lines += [
         "Hyper-parameters that differ from the variant's defaults or from `trl.GRPOConfig`'s:",
         "",
         "| field | this run | variant default | TRL default |",
@@ -468,9 +579,16 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
             del self._name, self._paper  # back to the class attributes
         if not self.is_world_process_zero():
             return
+        setup = model_card_setup(self, dataset_name)
         card = os.path.join(self.args.output_dir, "README.md")
-        with open(card, "a") as f:
-            f.write("\n" + model_card_section(self.args, spec, title, paper_id))
+        with open(card) as f:
+            text = f.read()
+        # TRL names only hub models: a local folder became "a fine-tuned version of [None](...None)" and a
+        # quick start loading model="None". Name the base model and load the saved model instead.
+        text = text.replace("[None](https://huggingface.co/None)", describe_base_model(setup["base_model"]))
+        text = text.replace('model="None"', f"model={(self.hub_model_id or self.args.output_dir)!r}")
+        with open(card, "w") as f:
+            f.write(text + "\n" + model_card_section(self.args, spec, title, paper_id, setup))
 
     # ---- checkpoints, resume, signals (grpo_variants.reliability) --------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):

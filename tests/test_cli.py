@@ -169,3 +169,46 @@ def test_verbose_restores_the_per_step_dicts(tmp_path, toy_model_path, capsys):
     assert "'grad_norm'" not in quiet and "step 1/1" in quiet and "1 optimizer steps" in quiet
     assert main([*common, "--output_dir", str(tmp_path / "loud"), "--verbose"]) == 0
     assert "'grad_norm'" in capsys.readouterr().out
+
+
+def _help_blocks(text: str) -> dict[str, str]:
+    """argparse help -> {first option string: its whole entry (option line + help lines)}."""
+    blocks, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            blocks[current] = line
+        elif current and line.startswith("    "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return blocks
+
+
+def test_variant_help_shows_every_field_with_its_help_and_default(capsys):
+    """`--variant X --help`: each field of X's config, the ones X redefines for its paper included, has a
+    help text and its default; a default that differs from TRL's says so; negations carry no default."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from grpo_variants import list_variants
+
+    trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    for spec in list_variants():
+        assert main(["train", "--variant", spec.name, "--help"]) == 0
+        blocks = _help_blocks(capsys.readouterr().out)
+        init_fields = {f.name for f in dataclasses.fields(spec.config_cls) if f.init}
+        redefined = [name for name in vars(spec.config_cls).get("__annotations__", {}) if name in init_fields]
+        assert redefined, spec.name
+        for name in redefined:
+            entry = blocks.get(f"--{name}")
+            assert entry is not None, (spec.name, name)
+            assert "(default: " in entry and len(entry.split("(default: ")[0].split(maxsplit=2)) == 3, (spec.name, entry)
+        for option, entry in blocks.items():
+            if option.startswith("--no_"):
+                assert "(default:" not in entry, entry
+        if spec.name == "dapo":
+            assert "[dapo's default; TRL's: 0.0]" in blocks["--weight_decay"]
+            assert "(default: True)" in blocks["--dynamic_sampling"]
+            assert all(f"--{n}" in blocks for n in redefined if n not in trl_fields)

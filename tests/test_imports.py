@@ -263,3 +263,45 @@ def test_the_trainer_s_former_contents_are_still_importable_from_it():
     assert issubclass(trainer.GRPOVariantTrainer, metrics.TrainerMetrics)
     for name in ("_log_loss_metrics", "_global_mean", "_global_sequence_fraction", "_log_reward_health"):
         assert getattr(trainer.GRPOVariantTrainer, name) is getattr(metrics.TrainerMetrics, name)
+
+
+_OLD_PATHS_FIRST = r"""
+import importlib, json, sys
+from grpo_variants._aliases import OLD_TO_NEW
+wrong = {}
+for old, new in OLD_TO_NEW.items():
+    module = importlib.import_module(old)          # the old path first, before anything imported the new one
+    if module is not importlib.import_module(new) or sys.modules[old] is not sys.modules[new]:
+        wrong[old] = new
+    parent, _, leaf = old.rpartition(".")
+    exec(f"from {parent} import {leaf} as _via_from")
+    if _via_from is not module:
+        wrong[f"from {parent} import {leaf}"] = new
+print(json.dumps(wrong))
+"""
+
+
+def test_old_flat_import_paths_are_the_moved_modules():
+    """``grpo_variants.toy``, ``.sampling``, ``.models`` ... name the same module objects as the new paths
+    (so patches, ``isinstance`` checks and pickles see one module), and every moved module has its alias."""
+    from grpo_variants._aliases import OLD_TO_NEW
+
+    modules = package_modules(ROOT, PACKAGE)
+    moved = {name for name in modules
+             if name.split(".")[1:2] in (["rollout"], ["tasks"], ["runtime"]) and name.count(".") == 2}
+    assert set(OLD_TO_NEW.values()) == moved
+    assert not set(OLD_TO_NEW) & set(modules), "an alias shadows a module that exists"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _OLD_PATHS_FIRST], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
+
+    import grpo_variants
+    import grpo_variants.sampling
+    import grpo_variants.toy
+    from grpo_variants.rollout import sampling
+    from grpo_variants.tasks import toy
+
+    assert grpo_variants.toy is toy and grpo_variants.sampling is sampling
+    assert sampling.DynamicSamplingMixin.__module__ == "grpo_variants.rollout.sampling"
