@@ -62,15 +62,7 @@ SUITE_TARGETS = re.compile(r"^(\s*)make\s+(test|test-fast|test-portable)\b")
 
 # Blocks that fail on main because of a bug another change fixes: (file, a line of the block) -> reason.
 # Strict: the test fails once the bug is fixed, so the entry is removed then.
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    # a pathlib.Path model reaches TRL unchanged: AttributeError: 'PosixPath' object has no attribute 'config'
-    ("README.md", "trainer = GRPOVariantTrainer(model=smollm2(), reward_funcs=\"math_accuracy\","):
-        "#26 part B: Path models",
-    # the 2-process ZeRO-3 launch of a recipe with --toy (held-out evaluation on partitioned parameters)
-    ("recipes/README.md", "accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 2 "
-                          "recipes/grpo_qwen.py --toy"):
-        "#26 part B: ZeRO-3 held-out evaluation",
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}  # (path, a line of the block) -> issue; strict xfail
 
 
 @dataclass
