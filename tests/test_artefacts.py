@@ -67,10 +67,13 @@ def test_no_label_or_legend_outside_the_image():
 
 
 def test_a_pm1_reward_mean_is_not_labelled_accuracy():
-    records = [{"step": 1, "reward": -0.6, "rewards/toy_accuracy_pm1/mean": -0.6}]
-    labels = [line.get_label() for line in reward_curve_figure(records).axes[0].lines]
-    assert labels == ["mean reward (train rollouts)"]
-    records = [{"step": 1, "reward": 0.3, "rewards/toy_accuracy/mean": 0.3}]
+    # training accuracy is the accuracy reward's fraction right (rewards/<name>/right_fraction), never a ±1 mean
+    records = [{"step": 1, "reward": -0.6, "rewards/toy_accuracy_pm1/mean": -0.6,
+                "rewards/toy_accuracy_pm1/right_fraction": 0.2}]
+    lines = {line.get_label(): line for line in reward_curve_figure(records).axes[0].lines}
+    assert list(lines) == ["mean reward (train rollouts)", "training accuracy (toy_accuracy_pm1)"]
+    assert list(lines["training accuracy (toy_accuracy_pm1)"].get_ydata()) == [0.2]
+    records = [{"step": 1, "reward": 0.3, "rewards/toy_accuracy/mean": 0.3, "rewards/toy_accuracy/right_fraction": 0.3}]
     labels = [line.get_label() for line in reward_curve_figure(records).axes[0].lines]
     assert labels == ["mean reward = training accuracy (toy_accuracy)"]
 
