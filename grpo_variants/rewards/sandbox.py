@@ -108,6 +108,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from grpo_variants.rewards.seccomp import build_filter as build_seccomp_filter
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -135,6 +137,7 @@ _SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _HOST_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # hidden behind the run's tmpfs ("namespaces" mode)
 _LAUNCHER_EXIT = 125  # the stub failed to set the sandbox up (never the program's own code)
 _LAUNCHER_TAG = "[grpo-sandbox]"
+_GROUP_WEIGHT = 4 * min(8, os.cpu_count() or 1)  # 4 x the default pool size: runs are not starved by the host
 
 
 @dataclass
@@ -243,10 +246,27 @@ if uid is not None:
 libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
 os.umask(0o077)
 os.chdir(cfg["cwd"])
-try:
-    os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
-except OSError as e:
-    die("exec " + cfg["argv"][0], e)
+# Stay as the run's reaper: whatever the next stage leaves (bubblewrap's namespace init outlives the outer
+# bubblewrap by a moment) is reparented here and reaped, not to a parent of the trainer that may never reap.
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+child = os.fork()
+if child == 0:
+    try:
+        os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+    except OSError as e:
+        die("exec " + cfg["argv"][0], e)
+code = 125
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    except InterruptedError:
+        continue
+    if pid == child:
+        code = os.waitstatus_to_exitcode(status)
+        code = code if code >= 0 else 128 - code
+os._exit(code)
 """
 
 
@@ -330,24 +350,29 @@ def sandbox_capabilities() -> dict:
         bwrap = _bwrap_binary()
         cg = _Cgroups.detect()
         base = {"uid_drop": bool(uids), "uids": uids, "cgroup": cg.version if cg else None, "bwrap": bwrap,
-                "is_root": root, "python": None}
+                "is_root": root, "python": None, "cpu_limit": bool(cg is not None and cg.has_cpu)}
         modes = (["bwrap"] if bwrap else []) + (["namespaces"] if root else []) + ["process"]
         chosen = None
+        seccomp_ok = build_seccomp_filter() is not None and os.environ.get("GRPO_SANDBOX_SECCOMP", "") not in (
+            "0", "no", "off", "false")
         for mode in modes:
             for py in _python_candidates():
-                caps = dict(base, mode=mode, python=py, **_mode_flags(mode, root))
-                caps["uid_drop"] = caps["uid_drop"] and bool(uids)
-                if not caps["uid_drop"]:
-                    caps["uids"] = []
-                res = _trial(caps, cg)
-                if res is not None and res.ok and res.stdout.strip() == "sandbox-ok":
-                    chosen = caps
+                for filt in ([True, False] if mode == "bwrap" and seccomp_ok else [False]):
+                    caps = dict(base, mode=mode, python=py, seccomp=filt, **_mode_flags(mode, root))
+                    caps["uid_drop"] = caps["uid_drop"] and bool(uids)
+                    if not caps["uid_drop"]:
+                        caps["uids"] = []
+                    res = _trial(caps, cg)
+                    if res is not None and res.ok and res.stdout.strip() == "sandbox-ok":
+                        chosen = caps
+                        break
+                    logger.debug("sandbox trial mode=%s python=%s seccomp=%s failed: %s", mode, py, filt, res)
+                if chosen:
                     break
-                logger.debug("sandbox trial mode=%s python=%s failed: %s", mode, py, res)
             if chosen:
                 break
         if chosen is None:
-            chosen = dict(base, mode="process", python=None, **_mode_flags("process", root))
+            chosen = dict(base, mode="process", python=None, seccomp=False, **_mode_flags("process", root))
         chosen["_cgroups"] = cg
         if cg is not None:
             import atexit
@@ -363,6 +388,16 @@ def sandbox_capabilities() -> dict:
                    "programs can read and write what this user can, and open network connections")
                 + "; install it (`apt-get install -y bubblewrap`, done by `make setup` as root)"
             )
+        if not chosen["seccomp"]:
+            warnings.append(
+                "no seccomp filter ("
+                + ("needs bubblewrap" if chosen["mode"] != "bwrap" else
+                   "disabled by GRPO_SANDBOX_SECCOMP=0" if os.environ.get("GRPO_SANDBOX_SECCOMP", "") in
+                   ("0", "no", "off", "false") else
+                   "unknown architecture " + os.uname().machine if build_seccomp_filter() is None else
+                   "bubblewrap refused it")
+                + "): io_uring, userfaultfd, keyrings, bpf, perf, ptrace and every socket family are reachable"
+            )
         if not chosen["uid_drop"]:
             warnings.append(
                 "no dedicated sandbox uid (not root): RLIMIT_NPROC counts all of this user's processes"
@@ -373,6 +408,9 @@ def sandbox_capabilities() -> dict:
                 "no usable cgroup (v2 with memory+pids, or v1): a run's total memory is enforced by polling "
                 "(every 50 ms) and its process count by RLIMIT_NPROC only"
             )
+        if cg is not None and not chosen["cpu_limit"]:
+            warnings.append("the cgroup has no cpu controller for us: a run's CPU is limited per process "
+                            "(RLIMIT_CPU) only, so a run that forks spinners slows the runs beside it")
         if not chosen["inode_cap"] and chosen["mode"] != "process":
             warnings.append("tmpfs without an inode cap (needs root); only its size is capped")
         if chosen["python"] is None:
@@ -408,8 +446,27 @@ def _trial(caps: dict, cg) -> SandboxResult | None:
         return None
 
 
+def _uid_lock_dir() -> Path:
+    """The machine-wide directory of the uid slots' lock files: the same for every trainer on this machine
+    whatever its ``GRPO_SANDBOX_DIR``, so that an ``flock`` on ``uid-N.lock`` is the one proof of owning
+    uid N (``GRPO_SANDBOX_LOCK_DIR`` overrides it; trainers sharing uids must share it)."""
+    env = os.environ.get("GRPO_SANDBOX_LOCK_DIR")
+    cands = [Path(env)] if env else [Path("/run/grpo-variants-sandbox-uids"), Path("/tmp/grpo-variants-sandbox-uids")]
+    for d in cands:
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            st = d.lstat()
+            if st.st_uid == os.getuid() and not d.is_symlink() and d.is_dir() and not st.st_mode & 0o022:
+                return d
+        except OSError:
+            continue
+    raise RuntimeError(f"No private directory for the sandbox uid locks among {[str(c) for c in cands]}; "
+                       "set GRPO_SANDBOX_LOCK_DIR to one owned by this user and not writable by others.")
+
+
 class _UidSlot:
-    """An flock-held dedicated uid: no other run (in any process) uses it while held."""
+    """An flock-held dedicated uid: no other run (in any process, of any trainer on this machine) uses it
+    while held; the processes of that uid are the holder's, and only the holder kills them."""
 
     _next = 0
     _next_lock = threading.Lock()
@@ -419,7 +476,7 @@ class _UidSlot:
         self._fd: int | None = None
         if not uids:
             return
-        locks = _sandbox_base() / "locks"
+        locks = _uid_lock_dir()
         deadline = time.monotonic() + 120
         while True:
             with _UidSlot._next_lock:
@@ -520,25 +577,36 @@ class _Cgroups:
                 d = os.path.dirname(d)
                 chain.append(d)
             for d in chain:
-                if not {"memory", "pids"} <= set(_read(os.path.join(d, "cgroup.controllers")).split()):
+                available = set(_read(os.path.join(d, "cgroup.controllers")).split())
+                if not {"memory", "pids"} <= available:
                     continue
-                try:
-                    if not {"memory", "pids"} <= set(_read(os.path.join(d, "cgroup.subtree_control")).split()):
-                        _write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids")
-                    _clean_stale(d)
-                    parent = os.path.join(d, name)
-                    if not os.path.isdir(parent):
-                        os.mkdir(parent)
-                    _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
-                except OSError:
+                parent = os.path.join(d, name)
+                for want in (["+memory +pids +cpu"] if "cpu" in available else []) + ["+memory +pids"]:
+                    try:
+                        if not set(want.replace("+", "").split()) <= set(
+                                _read(os.path.join(d, "cgroup.subtree_control")).split()):
+                            _write(os.path.join(d, "cgroup.subtree_control"), want)
+                        _clean_stale(d)
+                        if not os.path.isdir(parent):
+                            os.mkdir(parent)
+                        _write(os.path.join(parent, "cgroup.subtree_control"), want)
+                        break
+                    except OSError:
+                        continue
+                else:
                     continue
+                if "cpu" in want:
+                    try:
+                        _write(os.path.join(parent, "cpu.weight"), str(min(10000, 100 * _GROUP_WEIGHT)))
+                    except OSError:
+                        pass
                 cg = _Cgroups("v2", {"unified": parent})
                 if cg._selftest():
                     return cg
                 _rmdir(parent)
         # v1: the memory and pids hierarchies (kept by many container hosts).
         parents = {}
-        for ctrl in ("memory", "pids"):
+        for ctrl in ("memory", "pids", "cpu"):
             for root, mnt in mounts.get(ctrl, []):
                 d = own_dir(ctrl, root, mnt)
                 try:
@@ -548,9 +616,16 @@ class _Cgroups:
                         os.mkdir(parent)
                 except OSError:
                     continue
+                if ctrl == "cpu":
+                    # The trainer's runs compete as one group with the host's processes: weigh the group
+                    # like the runs a pool keeps going (each a default-weight process), not like one.
+                    try:
+                        _write(os.path.join(parent, "cpu.shares"), str(1024 * _GROUP_WEIGHT))
+                    except OSError:
+                        pass
                 parents[ctrl] = parent
                 break
-        if len(parents) == 2:
+        if "memory" in parents and "pids" in parents:
             cg = _Cgroups("v1", parents)
             if cg._selftest():
                 return cg
@@ -570,11 +645,19 @@ class _Cgroups:
         run.remove()
         return True
 
-    def create(self, memory_bytes: int, max_processes: int | None) -> "_RunCgroup":
-        """A run's cgroup; ``max_processes=None`` (v1): no pids cgroup, RLIMIT_NPROC of a dedicated uid binds."""
+    @property
+    def has_cpu(self) -> bool:
+        if self.version == "v1":
+            return "cpu" in self.parents
+        return "cpu" in _read(os.path.join(self.parents["unified"], "cgroup.subtree_control")).split()
+
+    def create(self, memory_bytes: int, max_processes: int | None, cpu_cores: float | None = None) -> "_RunCgroup":
+        """A run's cgroup; ``max_processes=None`` (v1): no pids cgroup, RLIMIT_NPROC of a dedicated uid binds.
+        ``cpu_cores``: the run's CPU bandwidth (quota per period), when the cpu controller is ours."""
         tag = "run_" + uuid.uuid4().hex[:12]
         dirs = []
-        parents = [p for c, p in self.parents.items() if c != "pids" or max_processes is not None]
+        parents = [p for c, p in self.parents.items() if (c != "pids" or max_processes is not None)
+                   and (c != "cpu" or cpu_cores)]
         try:
             for parent in parents:
                 d = os.path.join(parent, tag)
@@ -586,6 +669,8 @@ class _Cgroups:
                 if os.path.exists(os.path.join(d, "memory.swap.max")):
                     _write(os.path.join(d, "memory.swap.max"), "0")
                 _write(os.path.join(d, "pids.max"), str(max_processes if max_processes is not None else "max"))
+                if cpu_cores and os.path.exists(os.path.join(d, "cpu.max")):
+                    _write(os.path.join(d, "cpu.max"), "%d 100000" % max(1000, int(cpu_cores * 100000)))
             else:
                 mem = dirs[0]
                 _write(os.path.join(mem, "memory.limit_in_bytes"), str(memory_bytes))
@@ -593,6 +678,10 @@ class _Cgroups:
                     _write(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(memory_bytes))
                 if max_processes is not None:
                     _write(os.path.join(dirs[1], "pids.max"), str(max_processes))
+                if cpu_cores and "cpu" in self.parents:
+                    cpu = dirs[-1]
+                    _write(os.path.join(cpu, "cpu.cfs_period_us"), "100000")
+                    _write(os.path.join(cpu, "cpu.cfs_quota_us"), str(max(1000, int(cpu_cores * 100000))))
         except OSError:
             for d in dirs:
                 _rmdir(d)
@@ -841,6 +930,7 @@ def run_in_sandbox(
     python: str | None = None,
     env: dict[str, str] | None = None,
     ro_paths: Sequence[str] = (),
+    cpu_cores: float | None = 1.0,
 ) -> SandboxResult:
     """Run ``code`` (a Python program) in the sandbox; never raises for anything the program does.
 
@@ -852,18 +942,24 @@ def run_in_sandbox(
     ``workdir_mb`` / ``max_files`` the size and inode cap of the writable tmpfs. ``network=True``
     keeps the host network. ``env`` adds variables to :data:`SANDBOX_ENV`. ``ro_paths`` are host
     paths made visible read-only (e.g. a site-packages directory the programs may import from).
+    ``cpu_cores`` is the run's CPU bandwidth, all its processes together (cgroup ``cpu.max`` /
+    ``cpu.cfs_quota_us``, where the cpu controller is usable; None: unlimited), so a run that forks
+    spinners cannot starve the runs beside it.
     """
     caps = sandbox_capabilities()
     return _run(caps, caps.get("_cgroups"), code, timeout=timeout, cpu_time=cpu_time, memory_mb=memory_mb,
                 total_memory_mb=total_memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes,
                 stdin=stdin, max_file_mb=max_file_mb, workdir_mb=workdir_mb, max_files=max_files,
-                max_open_files=max_open_files, network=network, python=python, env=env, ro_paths=ro_paths)
+                max_open_files=max_open_files, network=network, python=python, env=env, ro_paths=ro_paths,
+                cpu_cores=cpu_cores)
 
 
 def _bwrap_argv(caps: dict, workdir: Path, python: str, network: bool, ro_paths: Sequence[str],
-                workdir_mb: int, info_fd: int) -> list[str]:
+                workdir_mb: int, info_fd: int, seccomp_fd: int | None = None) -> list[str]:
     a = [caps["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
          "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", "--info-fd", str(info_fd)]
+    if seccomp_fd is not None:
+        a += ["--seccomp", str(seccomp_fd)]
     if network:
         a.append("--share-net")
     bound: list[str] = []
@@ -896,7 +992,7 @@ def _bwrap_argv(caps: dict, workdir: Path, python: str, network: bool, ro_paths:
 
 def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memory_mb, max_processes,
          max_output_bytes, stdin, max_file_mb, workdir_mb, max_files, max_open_files, network, python, env,
-         ro_paths) -> SandboxResult:
+         ro_paths, cpu_cores=1.0) -> SandboxResult:
     start = time.monotonic()
     py = python or caps["python"]
     if py is None:
@@ -907,7 +1003,7 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
     total_mb = int(total_memory_mb or memory_mb)
     run_cg: _RunCgroup | None = None
     proc: subprocess.Popen | None = None
-    info_r = info_w = None
+    info_r = info_w = seccomp_fd = None
     init_pidfd = None
     cleaned = False
     try:
@@ -932,13 +1028,13 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             ("RLIMIT_NOFILE", nofile, nofile),
         ]
         if slot.uid is not None or not _is_root():
-            rlimits.append(("RLIMIT_NPROC", int(max_processes), int(max_processes)))
+            rlimits.append(("RLIMIT_NPROC", int(max_processes) + 1, int(max_processes) + 1))
         if cg is not None:
             try:
-                # + 2: the stub (then bwrap) and bwrap's init. With a dedicated uid, RLIMIT_NPROC already
+                # + 3: the stub (the run's reaper), bwrap and bwrap's init. With a dedicated uid, RLIMIT_NPROC already
                 # bounds exactly this run's processes, and v1 saves joining a second hierarchy.
-                pids = None if (cg.version == "v1" and slot.uid is not None) else int(max_processes) + 2
-                run_cg = cg.create(total_mb << 20, pids)
+                pids = None if (cg.version == "v1" and slot.uid is not None) else int(max_processes) + 3
+                run_cg = cg.create(total_mb << 20, pids, cpu_cores)
             except OSError as exc:
                 logger.warning("grpo-variants sandbox: could not create the run's cgroup (%s); polling memory", exc)
         inside = mode == "bwrap"
@@ -952,7 +1048,16 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
         if inside:
             info_r, info_w = os.pipe()
             pass_fds = (info_w,)
-            argv = _bwrap_argv(caps, workdir, py, network, ro_paths, workdir_mb, info_w)
+            bpf = build_seccomp_filter(network=bool(network)) if caps.get("seccomp") else None
+            if bpf is not None:
+                # bwrap reads the filter from this pipe (it fits the pipe's buffer) and loads it before exec.
+                seccomp_fd, w = os.pipe()
+                try:
+                    os.write(w, bpf)
+                finally:
+                    os.close(w)
+                pass_fds = (info_w, seccomp_fd)
+            argv = _bwrap_argv(caps, workdir, py, network, ro_paths, workdir_mb, info_w, seccomp_fd)
         else:
             argv = [py, "-I", "-B", "-X", "utf8", "main.py"]
         cfg = {
@@ -995,6 +1100,9 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             if info_w is not None:
                 os.close(info_w)
                 info_w = None
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+                seccomp_fd = None
         if info_r is not None:
             init_pidfd = _init_pidfd(info_r, proc.pid)
         poll_memory = None if run_cg is not None else total_mb
@@ -1059,7 +1167,7 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
-        for fd in (info_r, info_w, init_pidfd):
+        for fd in (info_r, info_w, init_pidfd, seccomp_fd):
             if fd is not None:
                 try:
                     os.close(fd)
@@ -1096,7 +1204,8 @@ def _init_pidfd(info_r: int, outer_pid: int) -> int | None:
         fd = os.pidfd_open(pid)
     except (OSError, AttributeError):
         return None
-    if _ppid(pid) != outer_pid:  # already gone and the pid reused: not ours
+    parent = _ppid(pid)
+    if parent != outer_pid and (parent is None or _ppid(parent) != outer_pid):  # gone, pid reused: not ours
         os.close(fd)
         return None
     return fd
