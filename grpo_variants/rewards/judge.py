@@ -403,7 +403,7 @@ class _Planner:
         self.pf: list[_Stmt] = []         # program-free setup statements
         self.program_items: list[tuple[int, tuple]] = []   # (pos, step) with step ("x", src) or ("p", side)
         self.reference_items: list[tuple[int, Side, set]] = []
-        self.program_needs: list[tuple[str, int]] = []
+        self.program_needs: list[tuple[str, int, Any]] = []  # (name, position, the side needing it or None)
         self.blocked: str | None = None   # a statement run with the program exposed test data
 
     def kind(self, name: str) -> str:
@@ -470,10 +470,14 @@ class _Planner:
         if any(self.kind(n) == "P" for n in loads):
             clean_loads = {n for n in loads if self.kind(n) == "C"}
             outside = self._outside_inputs(node) - stores
-            if outside and self.blocked is None:
-                self.blocked = (f"the setup statement {src[:80]!r} runs with the program and uses the tests' "
-                                f"{', '.join(sorted(outside))} other than as the program's arguments")
-            self.program_needs += [(n, pos) for n in clean_loads]
+            if outside or self.blocked:
+                # It would show the program test data: it never runs, and no later test can be judged.
+                self.blocked = self.blocked or (
+                    f"the setup statement {src[:80]!r} runs with the program and uses the tests' "
+                    f"{', '.join(sorted(outside))} other than as the program's arguments")
+                self._taint(stores - self.imports)
+                return
+            self.program_needs += [(n, pos, None) for n in clean_loads]
             self._soften({n for n in loads | _touched(node) if n in self.clean})
             self._taint(stores - self.imports)
             self.program_items.append((pos, ("x", src)))
@@ -545,7 +549,7 @@ class _Planner:
             s.run = run
             if run == "program":
                 self.program_items.append((pos, ("p", s)))
-                self.program_needs += [(n, pos) for n in _names(s.node)[0] if self.kind(n) == "C"]
+                self.program_needs += [(n, pos, s) for n in _names(s.node)[0] if self.kind(n) == "C"]
             else:
                 self.reference_items.append((pos, s, {n for n in _names(s.node)[0] if self.kind(n) == "C"}))
         # The program may have mutated what it was given.
@@ -632,7 +636,7 @@ def plan_tests(tests: Any) -> Plan:
         for u in units:
             u.unsupported = u.unsupported or "nested too deep"
         return plan
-    prog_pos, prog_names = planner.closure(planner.program_needs)
+    prog_pos, prog_names = planner.closure([(n, p) for n, p, _ in planner.program_needs])
     # Units whose expected side would depend on a name that a statement run with the program also binds.
     leaked: set[str] = set()
     for s in planner.pf:
@@ -658,6 +662,8 @@ def plan_tests(tests: Any) -> Plan:
     live_prog = [(pos, step) for pos, step in planner.program_items if step[0] == "x" or not any(
         step[1] is s for u in units if u.unsupported for c in u.checks for s in (c.left, c.right))]
     ref_pos, _ = planner.closure([(n, pos) for pos, side, cl in live_refs for n in cl])
+    dead = {id(s) for u in units if u.unsupported for c in u.checks for s in (c.left, c.right) if s is not None}
+    prog_pos, _ = planner.closure([(n, p) for n, p, side in planner.program_needs if id(side) not in dead])
     # Program run: needed program-free setup, setup run with the program, program-side probes, in order.
     steps: list[tuple[int, int, tuple]] = [(s.pos, 0, ("x", s.source)) for s in planner.pf if s.pos in prog_pos]
     steps += [(pos, 1, step) for pos, step in live_prog]

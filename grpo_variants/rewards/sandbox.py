@@ -108,7 +108,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from grpo_variants.rewards.seccomp import build_filter as build_seccomp_filter
+
+
+def _load_seccomp():
+    # Inside the package: the sibling module. Loaded alone (stdlib only, as the reaper tests do): its file.
+    if __package__:
+        import importlib
+
+        return importlib.import_module(__package__ + ".seccomp")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_grpo_sandbox_seccomp",
+                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+build_seccomp_filter = _load_seccomp().build_filter
 
 logger = logging.getLogger(__name__)
 
@@ -256,9 +273,10 @@ if child == 0:
     except OSError as e:
         die("exec " + cfg["argv"][0], e)
 code = 125
+done = False
 while True:
     try:
-        pid, status = os.wait()
+        pid, status = os.waitpid(-1, os.WNOHANG if done else 0)
     except ChildProcessError:
         break
     except InterruptedError:
@@ -266,6 +284,21 @@ while True:
     if pid == child:
         code = os.waitstatus_to_exitcode(status)
         code = code if code >= 0 else 128 - code
+        done = True
+    if done and pid == 0:
+        # The run is over: what it left here (bubblewrap's init, a daemon without a PID namespace) ends too.
+        import time
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                with open("/proc/self/task/%s/children" % tid) as f:
+                    for p in f.read().split():
+                        try:
+                            os.kill(int(p), 9)
+                        except OSError:
+                            pass
+        except OSError:
+            pass
+        time.sleep(0.002)
 os._exit(code)
 """
 
@@ -1028,7 +1061,7 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             ("RLIMIT_NOFILE", nofile, nofile),
         ]
         if slot.uid is not None or not _is_root():
-            rlimits.append(("RLIMIT_NPROC", int(max_processes) + 1, int(max_processes) + 1))
+            rlimits.append(("RLIMIT_NPROC", int(max_processes), int(max_processes)))
         if cg is not None:
             try:
                 # + 3: the stub (the run's reaper), bwrap and bwrap's init. With a dedicated uid, RLIMIT_NPROC already
