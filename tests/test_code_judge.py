@@ -397,7 +397,7 @@ HOSTILE = _dedent(
 
 def test_one_hostile_beside_seven_correct_all_correct_score_one():
     tests = ["assert add(1, 2) == 3", "assert add(2, 2) == sum([2, 2])", "x = [1, 2]\nassert add(*x) == 3"]
-    reward = make_code_reward("all", timeout=8.0)
+    reward = make_code_reward("all", timeout=5.0)
     completions = [HOSTILE] + [CORRECT_ADD] * 7
     t = time.monotonic()
     out = reward(prompts=["p"] * 8, completions=completions, tests=[tests] * 8)
@@ -491,3 +491,49 @@ def test_no_zombie_under_a_parent_that_adopts_and_never_reaps():
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer survives a run in which every completion is hostile
+# ---------------------------------------------------------------------------------------------
+TRAINING_HOSTILES = {
+    "crash": "import os\nos.abort()\n",
+    "stall": "while True:\n    pass\n",
+    "forge": HOSTILE.split("# spinners")[0] + "def add(a, b):\n    return -1\n",
+    "flood": "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
+    "hash flood": "def add(a, b):\n    return {k * ((1 << 61) - 1) for k in range(39000)}\n",
+    "deep": "def add(a, b):\n    x = []\n    for _ in range(10 ** 5):\n        x = [x]\n    return x\n",
+}
+
+
+class _EveryCompletionHostile:
+    """The code reward, fed a hostile program for every completion the trainer sampled (what the
+    completions say does not matter: the reward sees only hostile programs)."""
+
+    __name__ = "code_pass"
+
+    def __init__(self, reward):
+        self.reward, self.calls = reward, 0
+
+    def __call__(self, prompts, completions, **kwargs):
+        programs = list(TRAINING_HOSTILES.values())
+        fake = [f"```python\n{programs[(self.calls + i) % len(programs)]}```" for i in range(len(completions))]
+        self.calls += 1
+        return self.reward(prompts=prompts, completions=fake, tests=[["assert add(1, 2) == 3"]] * len(fake))
+
+
+@pytest.mark.slow
+def test_training_where_every_completion_is_hostile_finishes(toy_model_path, small_train_dataset, make_args):
+    from grpo_variants import GRPOVariantTrainer
+
+    reward = _EveryCompletionHostile(make_code_reward("all", timeout=2.0))
+    args = make_args(max_steps=2, reward_on_error="raise")  # any exception from the reward would stop training
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs=[reward], args=args,
+                                 train_dataset=small_train_dataset)
+    trainer.train()
+    assert trainer.state.global_step == 2 and reward.calls >= 2
+    logged = [r for r in trainer.state.log_history if "loss" in r]
+    assert logged and all(r["rewards/code_pass/mean"] == 0.0 for r in logged if "rewards/code_pass/mean" in r)
+    reasons = [x for rs in reward.reward.last_reasons for x in rs]
+    assert len(reward.reward.last_reasons) == 16 and all(reward.reward.last_reasons)  # each has its reason
+    assert any("did not finish" in x or "raised" in x for x in reasons)
