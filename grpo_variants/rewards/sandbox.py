@@ -82,8 +82,17 @@ Fallbacks (``sandbox_capabilities()["mode"]``, warned once, never silent):
   trainer's user can (its working directory is a fresh private directory); cleanup goes by session,
   which a double fork plus ``setsid`` escapes. Install bubblewrap, or run as root.
 
-Residual risks: the kernel is the trust boundary (no seccomp filter); CPU time is limited per
-process; without a cgroup the memory total is enforced by polling.
+Since issue #25: a **seccomp filter** (:mod:`grpo_variants.rewards.seccomp`, loaded by bubblewrap's
+``--seccomp``; denied calls fail with EPERM; without bubblewrap or on an unknown architecture there is
+none, warned once); per-run **CPU bandwidth** (``cpu_cores``, cgroup ``cpu.max`` / ``cpu.cfs_quota_us``);
+uid slots owned through ``flock`` in one **machine-wide lock directory** (``_uid_lock_dir``); and the
+stub no longer execs the next stage but forks it and stays as the run's **child subreaper**: whatever
+the run leaves is reparented to it, killed once the run is over, and reaped (no zombie reaches a parent
+of the trainer that adopts orphans without reaping them). ``SandboxPool.run_groups`` runs groups of
+runs under one wall-clock budget each.
+
+Residual risks: the kernel is the trust boundary (the calls the filter allows); without a cgroup the
+memory total is enforced by polling and CPU is limited per process.
 """
 
 from __future__ import annotations
