@@ -7,7 +7,6 @@ the second half runs programs (a handful of reward calls, batched)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 import subprocess

@@ -17,14 +17,12 @@ Registered names: ``math_accuracy`` (+1/0), ``math_accuracy_pm1`` (+1/-1), ``for
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import os
 import re
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from grpo_variants.errors import ConfigError, DatasetError, RewardFunctionError
@@ -35,7 +33,7 @@ from grpo_variants.rewards.math_verify_utils import (
     gold_is_parsable,
 )
 from grpo_variants.rewards import judge
-from grpo_variants.rewards.judge import build_probe_program, new_tag, parse_tests
+from grpo_variants.rewards.judge import build_probe_program, new_tag
 from grpo_variants.rewards.registry import reward
 from grpo_variants.rewards.sandbox import SandboxPool, SandboxResult
 

@@ -127,8 +127,8 @@ def _load_seccomp():
         return importlib.import_module(__package__ + ".seccomp")
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_grpo_sandbox_seccomp",
-                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py"))
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py")
+    spec = importlib.util.spec_from_file_location("_grpo_sandbox_seccomp", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
