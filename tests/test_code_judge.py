@@ -535,4 +535,4 @@ def test_training_where_every_completion_is_hostile_finishes(toy_model_path, sma
     assert logged and all(r["rewards/code_pass/mean"] == 0.0 for r in logged if "rewards/code_pass/mean" in r)
     reasons = [x for rs in reward.reward.last_reasons for x in rs]
     assert len(reward.reward.last_reasons) == 16 and all(reward.reward.last_reasons)  # each has its reason
-    assert any("did not finish" in x or "raised" in x for x in reasons)
+    assert any("sent no result" in x or "raised" in x for x in reasons)

@@ -610,8 +610,8 @@ class CodeReward(_NamedReward):
                 total += 1
                 if recs.program != "ok":
                     ok, why = False, ("the program " + {"error": "raised", "exit": "exited non-zero"}.get(
-                        recs.program or "", "did not finish") + (f" ({res.killed_reason})" if res.killed_reason
-                                                                  else ""))
+                        recs.program or "", "sent no result (it crashed, was killed or garbled its result stream)")
+                        + (f" ({res.killed_reason})" if res.killed_reason else ""))
                 else:
                     ok, why = judge.unit_verdict(unit, recs, refs)
                 passed += int(ok)
@@ -626,6 +626,8 @@ class CodeReward(_NamedReward):
                 if not ok:
                     reasons.append("stdin/stdout case: " + (res.killed_reason or (
                         f"exit status {res.returncode}" if res.returncode else "wrong output")))
+            if reasons and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("Reward '%s': completion %d lost points: %s", self.__name__, i, "; ".join(reasons))
             if not total:
                 continue  # only skipped (unsupported) tests
             if self.mode == "all":
