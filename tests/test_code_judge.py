@@ -482,7 +482,8 @@ print(json.dumps(kids))
 '''
 
 
-@pytest.mark.skipif(not sandbox_capabilities()["pidns"], reason="no PID namespace: the stub is not in the chain")
+@pytest.mark.skipif(not sandbox_capabilities()["pidns"] and not sandbox_capabilities()["uid_drop"],
+                    reason="'process' mode without root: a setsid daemon escapes cleanup (documented)")
 def test_no_zombie_under_a_parent_that_adopts_and_never_reaps():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     module = REPO / "grpo_variants" / "rewards" / "sandbox.py"

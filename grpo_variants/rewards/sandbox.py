@@ -292,7 +292,6 @@ while True:
         continue
     if pid == child:
         code = os.waitstatus_to_exitcode(status)
-        code = code if code >= 0 else 128 - code
         done = True
     if done and pid == 0:
         # The run is over: what it left here (bubblewrap's init, a daemon without a PID namespace) ends too.
@@ -308,6 +307,10 @@ while True:
         except OSError:
             pass
         time.sleep(0.002)
+if code < 0:  # the next stage died of a signal: die of the same one, so the trainer sees it
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+    code = 128 - code
 os._exit(code)
 """
 
@@ -779,8 +782,9 @@ class _RunCgroup:
             out.update(int(x) for x in _read(f).split() if x.isdigit())
         return sorted(out)
 
-    def kill(self, wait_s: float = 2.0) -> None:
-        if self.version == "v2" and os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
+    def kill(self, wait_s: float = 2.0, spare: int | None = None) -> None:
+        """SIGKILL every process of the cgroup (but ``spare``) and wait until they are gone."""
+        if spare is None and self.version == "v2" and os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
             try:
                 _write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
             except OSError:
@@ -788,7 +792,7 @@ class _RunCgroup:
         deadline = time.monotonic() + wait_s
         seen: set[int] = set()
         while True:
-            pids = [p for p in self.pids() if not _is_zombie(p)]
+            pids = [p for p in self.pids() if p != spare and not _is_zombie(p)]
             seen.update(pids)
             for p in pids:
                 try:
@@ -868,14 +872,14 @@ def _matching_pids(uid: int | None, sid: int | None) -> list[int]:
     return out
 
 
-def _kill_matching(uid: int | None, sid: int | None, wait_s: float = 2.0) -> int:
-    """SIGKILL every process with real uid ``uid`` or session ``sid``; wait until they are gone."""
+def _kill_matching(uid: int | None, sid: int | None, wait_s: float = 2.0, spare: int | None = None) -> int:
+    """SIGKILL every process with real uid ``uid`` or session ``sid`` (but ``spare``); wait until they are gone."""
     if uid is None and sid is None:
         return 0
     killed = 0
     deadline = time.monotonic() + wait_s
     while True:
-        pids = [p for p in _matching_pids(uid, sid) if not _is_zombie(p)]
+        pids = [p for p in _matching_pids(uid, sid) if p != spare and not _is_zombie(p)]
         if not pids:
             return killed
         for p in pids:
@@ -1151,17 +1155,17 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
         stdout, stderr, timed_out, over, truncated, mem_over = _collect(
             proc, start + timeout, max_output_bytes, poll_memory)
         if timed_out or over or mem_over:
-            _kill_run(proc.pid, init_pidfd, run_cg)
+            _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
         # Wait for the stub/bwrap to exit *without reaping it*, so that its pid (our process group and
         # session id) cannot be reused while we kill what the program left behind.
         while not _exited_nowait(proc.pid):
             if time.monotonic() >= start + timeout:
                 timed_out = True
-                _kill_run(proc.pid, init_pidfd, run_cg)
+                _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
                 os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
                 break
             time.sleep(0.002)
-        _kill_run(proc.pid, init_pidfd, run_cg)
+        _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
         if run_cg is None or mode != "bwrap":
             # No cgroup (or no PID namespace): find what is left by uid and session. (A process cannot
             # leave its cgroup: bubblewrap's root has no /sys, and the cgroup namespace hides the rest.)
@@ -1204,7 +1208,7 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
     finally:
         if proc is not None:
             if proc.returncode is None:  # an exception above: make sure nothing survives
-                _kill_run(proc.pid, init_pidfd, run_cg)
+                _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
                 proc.wait()
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
@@ -1253,8 +1257,9 @@ def _init_pidfd(info_r: int, outer_pid: int) -> int | None:
     return fd
 
 
-def _kill_run(outer_pid: int, init_pidfd: int | None, run_cg: _RunCgroup | None) -> None:
-    """Kill the namespace's init first (so that bwrap reaps it), then the cgroup and the session."""
+def _kill_run(outer_pid: int, init_pidfd: int | None, run_cg: _RunCgroup | None, uid: int | None = None) -> None:
+    """Kill the namespace's init first (so that bwrap reaps it), then everything else of the run but the
+    stub (``outer_pid``, the run's reaper: it reaps what dies and exits), then whatever is left."""
     if init_pidfd is not None:
         try:
             signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
@@ -1263,6 +1268,14 @@ def _kill_run(outer_pid: int, init_pidfd: int | None, run_cg: _RunCgroup | None)
                 time.sleep(0.001)
         except OSError:
             pass
+    if not _exited_nowait(outer_pid):
+        if run_cg is not None:
+            run_cg.kill(wait_s=0.5, spare=outer_pid)
+        else:
+            _kill_matching(uid=uid, sid=outer_pid, wait_s=0.5, spare=outer_pid)
+        deadline = time.monotonic() + 1.0
+        while not _exited_nowait(outer_pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
     if run_cg is not None:
         run_cg.kill()
     _killpg(outer_pid)
