@@ -442,6 +442,7 @@ def test_uid_locks_are_machine_wide(monkeypatch, tmp_path):
     assert sb._uid_lock_dir() == first  # a different sandbox dir does not move the locks
     import fcntl
 
+    (first / "uid-65000.lock").write_bytes(b"idle")  # a clean previous holder: nothing of uid 65000 is ours to kill
     slot = sb._UidSlot([65000])
     try:
         fd = os.open(first / "uid-65000.lock", os.O_RDWR)
