@@ -59,10 +59,15 @@ out = {"source": grpo_variants.__file__, "mode": caps.get("mode", "namespaces" i
 order = [("serial", serial), ("pool", pool)]
 if rep % 2:
     order.reverse()
+import resource
+def _cpu():
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 for name, reward in order:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     scores = reward(prompts=["p"] * 64, completions=completions, tests=tests)
     out[name] = time.perf_counter() - t0
+    out[name + "_cpu"] = _cpu() - c0  # this process and every reaped descendant (stub, bwrap, programs)
     if scores != expected:
         raise SystemExit("%s: scores differ from the expected ones: %s" % (name, scores))
 pool.close()
@@ -107,8 +112,8 @@ def main() -> dict:
             for label, tree in sides:
                 m = _measure(tree, rep)
                 runs[label].append(m)
-                print(f"rep {rep} {label:6s} serial {m['serial']:6.2f} s   "
-                      f"pool({m['pool_workers']}) {m['pool']:6.2f} s")
+                print(f"rep {rep} {label:6s} serial {m['serial']:6.2f} s ({m['serial_cpu']:.2f} CPU s)   "
+                      f"pool({m['pool_workers']}) {m['pool']:6.2f} s ({m['pool_cpu']:.2f} CPU s)", flush=True)
 
     def med(label: str, key: str) -> float:
         return statistics.median(m[key] for m in runs[label])
@@ -122,22 +127,29 @@ def main() -> dict:
                    "pool_seconds_median": round(med("before", "pool"), 3),
                    "serial_seconds": [round(m["serial"], 3) for m in runs["before"]],
                    "pool_seconds": [round(m["pool"], 3) for m in runs["before"]],
+                   "serial_cpu_seconds_median": round(med("before", "serial_cpu"), 3),
+                   "pool_cpu_seconds_median": round(med("before", "pool_cpu"), 3),
                    "sandbox_mode": runs["before"][0]["mode"]},
         "after": {"serial_seconds_median": round(med("after", "serial"), 3),
                   "pool_seconds_median": round(med("after", "pool"), 3),
                   "serial_seconds": [round(m["serial"], 3) for m in runs["after"]],
                   "pool_seconds": [round(m["pool"], 3) for m in runs["after"]],
+                  "serial_cpu_seconds_median": round(med("after", "serial_cpu"), 3),
+                  "pool_cpu_seconds_median": round(med("after", "pool_cpu"), 3),
                   "sandbox_mode": runs["after"][0]["mode"]},
         "ratio_after_over_before": {
             "serial": round(med("after", "serial") / med("before", "serial"), 3),
             "pool": round(med("after", "pool") / med("before", "pool"), 3),
+            "serial_cpu": round(med("after", "serial_cpu") / med("before", "serial_cpu"), 3),
+            "pool_cpu": round(med("after", "pool_cpu") / med("before", "pool_cpu"), 3),
         },
         "pool_speedup": {"before": round(med("before", "serial") / med("before", "pool"), 2),
                          "after": round(med("after", "serial") / med("after", "pool"), 2)},
         "mix": {"passing": 40, "failing": 24, "slow_0.2s": N_PROGRAMS // 8},
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
-        "note": "time ratio after/before (below 1: faster); shared machine, timings noisy, compare the ratios",
+        "note": "time ratio after/before (below 1: faster); CPU seconds = the scoring process plus every reaped "
+                "descendant; shared machine, timings noisy, compare the ratios",
     }
     if args.quick:
         print(json.dumps(result, indent=2))
@@ -146,7 +158,7 @@ def main() -> dict:
     (args.out / "code_reward.json").write_text(json.dumps(result, indent=2) + "\n")
     r = result["ratio_after_over_before"]
     md = [
-        "# Code reward throughput: before vs after the judge/bubblewrap sandbox",
+        "# Code reward throughput: before vs after a change of the judge/sandbox",
         "",
         f"{N_PROGRAMS} programs (40 passing, 24 failing or crashing, 8 sleeping 0.2 s) scored by "
         "`CodeReward(\"all\")`, "
@@ -154,14 +166,21 @@ def main() -> dict:
         f"`{args.before_ref}` (before) and the current one (after), alternating, {args.reps} repetitions, medians. "
         f"{os.cpu_count()} CPU cores (shared).",
         "",
-        "| | before (s) | after (s) | after / before |",
-        "|---|---|---|---|",
+        "| | before (s) | after (s) | after / before | CPU s before | CPU s after | CPU after / before |",
+        "|---|---|---|---|---|---|---|",
         f"| serial | {result['before']['serial_seconds_median']:.2f} | {result['after']['serial_seconds_median']:.2f} "
-        f"| {r['serial']:.2f} |",
+        f"| {r['serial']:.2f} | {result['before']['serial_cpu_seconds_median']:.2f} "
+        f"| {result['after']['serial_cpu_seconds_median']:.2f} | {r['serial_cpu']:.2f} |",
         f"| pool | {result['before']['pool_seconds_median']:.2f} | {result['after']['pool_seconds_median']:.2f} "
-        f"| {r['pool']:.2f} |",
+        f"| {r['pool']:.2f} | {result['before']['pool_cpu_seconds_median']:.2f} "
+        f"| {result['after']['pool_cpu_seconds_median']:.2f} | {r['pool_cpu']:.2f} |",
         "",
         f"Sandbox: before `{result['before']['sandbox_mode']}`, after `{result['after']['sandbox_mode']}`.",
+        "",
+        "CPU seconds are this process plus every descendant reaped below it (RUSAGE_CHILDREN). A tree whose "
+        "bubblewrap init was reparented to PID 1 (before #25) does not see its programs' CPU there: one "
+        "program burning 1 CPU s showed 0.02 s before #25 and 1.04 s after, so compare wall time across that "
+        "change, and CPU seconds only between trees that both have the stub as subreaper.",
         "",
     ]
     (args.out / "code_reward.md").write_text("\n".join(md))

@@ -602,7 +602,7 @@ def test_unsupported_test_form_is_a_clear_error():
     from grpo_variants.errors import DatasetError
 
     tests = [["assert all(f(i) == 2 * i for i in range(3))"]]
-    with pytest.raises(DatasetError, match="cannot judge"):
+    with pytest.raises(DatasetError, match="unsupported test .the verdict would be computed by the program"):
         make_code_reward("all")(prompts=["p"], completions=["def f(x): return 2 * x"], tests=tests)
     lenient = make_code_reward("all", on_unsupported="fail")
     assert lenient(prompts=["p"], completions=["def f(x): return 2 * x"], tests=tests) == [0.0]
@@ -611,7 +611,8 @@ def test_unsupported_test_form_is_a_clear_error():
 def test_decoder_accepts_only_the_restricted_format():
     from grpo_variants.rewards import judge
 
-    assert judge.decode_value({"t": [1, {"s": [2]}, {"d": [["k", {"b": "00ff"}]]}]}) == (1, {2}, {"k": b"\x00\xff"})
+    assert judge.decode_value({"t": [1, {"s": [2]}, {"d": [["k", {"b": "00ff"}]]}]}) == \
+        judge.normalize((1, {2}, {"k": b"\x00\xff"}))
     for bad in ({"py/object": "os.system"}, {"t": 1}, {"x": []}, {"d": [[[1], 2]]}):
         with pytest.raises((ValueError, TypeError)):
             judge.decode_value(bad)
@@ -620,7 +621,8 @@ def test_decoder_accepts_only_the_restricted_format():
     out = f"{tag} {{\"program\": \"ok\"}}\n{tag} {{\"i\": 0, \"v\": 6}}\n{tag} {{\"i\": 0, \"v\": 7}}\n" \
           f"{tag} {{\"i\": 1, \"v\": {deep}}}\nnoise\n{tag} not-json\n"
     recs = judge.parse_records(out, tag, 2)
-    assert recs.program == "ok" and recs.values[0] == ("v", 6) and recs.values[1] == ("e", "undecodable")
+    assert recs.program == "ok" and recs.values[0] == ("v", 6) \
+        and recs.values[1][0] == "e" and recs.values[1][1].startswith("undecodable")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -813,8 +815,8 @@ def test_humaneval_check_function_and_nested_asserts():
         """
     )
     units, cases = judge.parse_tests(src)
-    assert [(c.probe, c.op, c.expected) for u in units[:2] for c in u.checks] == [("add(1, 2)", "==", 3),
-                                                                                ("add(0, 0)", "==", 0)]
+    assert [(c.left.expr, c.op, c.right.value) for u in units[:2] for c in u.checks] == [("add(1, 2)", "==", 3),
+                                                                                       ("add(0, 0)", "==", 0)]
     assert units[0].setup == ["METADATA = {}\n"] and units[2].unsupported and not cases
     good = "```python\ndef add(a, b):\n    return a + b\n```"
     reward = make_code_reward("fraction", on_unsupported="fail")

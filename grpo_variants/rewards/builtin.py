@@ -17,14 +17,12 @@ Registered names: ``math_accuracy`` (+1/0), ``math_accuracy_pm1`` (+1/-1), ``for
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import os
 import re
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from grpo_variants.errors import ConfigError, DatasetError, RewardFunctionError
@@ -35,7 +33,7 @@ from grpo_variants.rewards.math_verify_utils import (
     gold_is_parsable,
 )
 from grpo_variants.rewards import judge
-from grpo_variants.rewards.judge import build_probe_program, new_tag, parse_tests
+from grpo_variants.rewards.judge import build_probe_program, new_tag
 from grpo_variants.rewards.registry import reward
 from grpo_variants.rewards.sandbox import SandboxPool, SandboxResult
 
@@ -401,84 +399,55 @@ def make_length_cosine(max_len: int, **options) -> LengthCosine:
 # --------------------------------------------------------------------------------------------
 # Code execution
 # --------------------------------------------------------------------------------------------
-_FENCE_RE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_FENCE_LANG = re.compile(r"[ \t]*([\w+#.-]*)")
+
+
+def _fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """``(language, code)`` of each closed fenced block, left to right, in linear time: a fence is three
+    backticks, its info string runs to the end of the line, its code to the next three backticks."""
+    out = []
+    pos = 0
+    while True:
+        i = text.find("```", pos)
+        if i < 0:
+            return out
+        nl = text.find("\n", i + 3)
+        if nl < 0:
+            return out  # no later fence can have a line after it either
+        end = text.find("```", nl + 1)
+        if end < 0:
+            return out
+        lang = _FENCE_LANG.match(text, i + 3, nl).group(1)
+        out.append((lang.lower(), text[nl + 1:end]))
+        pos = end + 3
 
 
 def extract_code(text: str) -> str:
-    """The last ```python fenced block, else the last fenced block of any language, else the whole text."""
-    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE_RE.finditer(text or "")]
+    """The last ```python fenced block, else the last fenced block of any language, else (an unclosed
+    final fence: the completion was truncated) what follows the first fence's line, else the whole text.
+    Linear in the length of ``text`` whatever it holds (no regex backtracking)."""
+    text = text or ""
+    blocks = _fenced_blocks(text)
     py = [code for lang, code in blocks if lang in ("python", "py", "python3")]
     if py:
         return py[-1]
     if blocks:
         return blocks[-1][1]
-    # An unclosed final fence (the completion was truncated): take what follows it.
-    m = re.search(r"```[ \t]*(?:python3?|py)?[^\n]*\n(.*)$", text or "", re.DOTALL)
-    if m:
-        return m.group(1)
-    return text or ""
+    i = text.find("```")
+    if i >= 0:
+        nl = text.find("\n", i + 3)
+        if nl >= 0:
+            return text[nl + 1:]
+    return text
 
 
 def build_test_program(program: str, tests: Any, *, test_timeout: float = 5.0) -> tuple[str, str]:
-    """The sandbox script that runs ``program`` and then evaluates the probes of ``tests`` (assert-style);
-    returns ``(script, tag)``: the script prints each probe's *value* on a ``tag JSON`` line. The
-    expected values are not in it (see :mod:`grpo_variants.rewards.judge`)."""
-    units, _ = parse_tests(tests)
-    steps: list[tuple] = []
-    k = 0
-    for u in units:
-        steps += [("x", s) for s in u.setup]
-        for c in u.checks:
-            steps.append(("p", k, c.probe))
-            k += 1
+    """The program run's sandbox script for ``program`` and assert-style ``tests``; returns ``(script, tag)``:
+    the script prints the value of each program-side expression on a ``tag JSON`` line. Expected values
+    and the setup only they need are not in it (see :mod:`grpo_variants.rewards.judge`)."""
+    plan = judge.plan_tests(tests)
     tag = new_tag()
-    return build_probe_program(program, steps, tag=tag, test_timeout=test_timeout), tag
-
-
-@dataclass
-class _Plan:
-    """How one sample is judged: its units and stdio cases, and where each value comes from."""
-
-    units: list
-    cases: list
-    probe_steps: list = field(default_factory=list)  # program run
-    ref_steps: list = field(default_factory=list)    # program-free reference run
-    # per unit, per check: (program-run index, program-run index of the other side or None,
-    #                       reference index or None, reference index of the other side or None)
-    where: list = field(default_factory=list)
-    ref_key: str | None = None
-    tag: str = ""
-    job: int | None = None
-    case_jobs: list = field(default_factory=list)
-
-
-def _plan(units, cases) -> _Plan:
-    plan = _Plan(units, cases)
-    k = r = 0
-    for u in units:
-        setup = [("x", s) for s in u.setup]
-        plan.probe_steps += setup
-        plan.ref_steps += setup
-        wh = []
-        if u.unsupported is None:
-            for c in u.checks:
-                p = k
-                plan.probe_steps.append(("p", k, c.probe))
-                k += 1
-                p2 = ri = ri2 = None
-                if c.ref is not None:
-                    plan.ref_steps.append(("p", r, c.ref))
-                    ri, r = r, r + 1
-                    if c.alt is not None:
-                        plan.probe_steps.append(("p", k, c.ref))
-                        p2, k = k, k + 1
-                        plan.ref_steps.append(("p", r, c.alt))
-                        ri2, r = r, r + 1
-                wh.append((p, p2, ri, ri2))
-        plan.where.append(wh)
-    if r:
-        plan.ref_key = json.dumps(plan.ref_steps)
-    return plan
+    return build_probe_program(program, plan.program_steps, tag=tag, test_timeout=test_timeout), tag
 
 
 class CodeReward(_NamedReward):
@@ -488,18 +457,20 @@ class CodeReward(_NamedReward):
     The program is the last ```python block (else any fenced block, else the whole text). ``tests``
     holds assert statements (a list, or one string of test code with setup lines) and/or stdin/stdout
     cases (``{"input", "output"}`` items, or ``{"inputs": [...], "outputs": [...]}``); the supported
-    forms are listed in :mod:`grpo_variants.rewards.judge`. For assert tests the sandbox evaluates only
-    the side of each assert that needs the program and sends its *value* back in a restricted JSON
-    format; this process holds the expected side (a literal, or the value of a program-free reference
-    run) and compares. For stdin/stdout cases the program runs once per case and this process compares
-    its stdout. So a patched builtin, ``__main__``, ``sys.stdout`` or a forged output line decides
-    nothing, and the program never sees an expected value.
+    forms are listed in :mod:`grpo_variants.rewards.judge`. Each sample's asserts are split into a
+    *program run* (the program and what the program sides need) and a program-free *reference run*
+    (the expected sides, cached per distinct test once it ran to completion); this process compares the
+    values. Nothing that is or leads to an expected value is in the program's process.
 
     ``mode="all"``: 1.0 when every test passes, else 0.0; ``mode="fraction"``: the fraction that
-    pass. A sample without tests scores None. ``on_unsupported``: ``"error"`` (a DatasetError naming
-    the test) or ``"fail"`` (the test counts as failed; warned once). Programs run in parallel in a
+    pass. A sample without tests scores None. ``on_unsupported`` (a test the judge cannot decide without
+    showing the program an expected value or trusting its interpreter): ``"error"`` (a DatasetError
+    naming the test and why), ``"fail"`` (the test counts as failed) or ``"skip"`` (it is left out of
+    the count; a sample with only such tests scores None); both log "unsupported test" once per test and
+    count it in ``last_unsupported``. All of one completion's runs (its assert run and every stdin/stdout
+    case) share one wall-clock budget, the ``timeout`` option; ``test_timeout`` bounds each probe
+    (SIGALRM). Why each completion lost points is in ``last_reasons``. Programs run in parallel in a
     :class:`SandboxPool`; ``sandbox_options`` go to :func:`run_in_sandbox` (timeout, memory_mb, ...).
-    ``test_timeout`` bounds each probe (SIGALRM); the run's wall ``timeout`` bounds the whole run.
     """
 
     def __init__(
@@ -515,8 +486,9 @@ class CodeReward(_NamedReward):
     ):
         if mode not in ("all", "fraction"):
             raise ConfigError(f"make_code_reward: mode must be 'all' or 'fraction', got {mode!r}.")
-        if on_unsupported not in ("error", "fail"):
-            raise ConfigError(f"make_code_reward: on_unsupported must be 'error' or 'fail', got {on_unsupported!r}.")
+        if on_unsupported not in ("error", "fail", "skip"):
+            raise ConfigError(f"make_code_reward: on_unsupported must be 'error', 'fail' or 'skip', got "
+                              f"{on_unsupported!r}.")
         self.mode = mode
         self.tests_column = tests_column
         self.max_workers = max_workers
@@ -531,6 +503,8 @@ class CodeReward(_NamedReward):
         self._lock = threading.Lock()
         self._ref_cache: dict[str, Any] = {}
         self.last_results: list[SandboxResult | None] = []
+        self.last_reasons: list[list[str]] = []
+        self.last_unsupported = 0
 
     def _params(self) -> dict:
         return {"mode": self.mode, "tests_column": self.tests_column, **self.sandbox_options}
@@ -541,6 +515,7 @@ class CodeReward(_NamedReward):
         state["_lock"] = None
         state["_ref_cache"] = {}
         state["last_results"] = []
+        state["last_reasons"] = []
         return state
 
     def __setstate__(self, state):
@@ -556,107 +531,132 @@ class CodeReward(_NamedReward):
                 self._pool = SandboxPool(self.max_workers, **self.sandbox_options)
             return self._pool
 
-    def _check_supported(self, i: int, units) -> None:
+    def _check_supported(self, i: int, units) -> int:
+        n = 0
         for u in units:
             if u.unsupported is None:
                 continue
-            msg = (f"Reward '{self.__name__}': sample {i} has a test it cannot judge outside the program "
-                   f"({u.unsupported}): {u.source[:200]!r}. Supported: assert P == E (and !=, <, <=, >, >=, "
-                   f"in, not in), assert P is None/True/False, assert math.isclose(P, E), assert abs(P - E) < tol, "
-                   f"assert f(literals) / not f(literals), and stdin/stdout cases; see grpo_variants.rewards.judge.")
+            n += 1
+            msg = (f"Reward '{self.__name__}': sample {i} has an unsupported test ({u.unsupported}): "
+                   f"{u.source[:200]!r}. See docs/rewards.md for the supported forms.")
             if self.on_unsupported == "error":
-                raise DatasetError(msg + " Rewrite the test, or pass on_unsupported='fail' to count it failed.")
-            judge.warn_once(u.source, "%s It counts as failed.", msg)
+                raise DatasetError(msg + " Rewrite the test, or pass on_unsupported='fail' (counts it failed) "
+                                   "or 'skip' (leaves it out).")
+            judge.warn_once(u.source, "%s It %s (on_unsupported=%r).", msg,
+                            "counts as failed" if self.on_unsupported == "fail" else "is left out of the score",
+                            self.on_unsupported)
+        return n
 
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
         completions = list(completions or [])
         tests_col = _column(kwargs, self.tests_column, len(completions), self.__name__)
-        codes: list[str] = []
-        stdins: list[str | None] = []
-        plans: list[_Plan | None] = [None] * len(completions)
-        ref_jobs: dict[str, tuple[int, str]] = {}  # ref key -> (job index, tag), this batch
+        groups: list[list[tuple[str, str | None]]] = []
+        plans: list[judge.Plan | None] = [None] * len(completions)
+        where: list[tuple[int, str | None]] = [(-1, None)] * len(completions)  # (group, tag of the assert run)
+        ref_jobs: dict[str, tuple[int, str, int]] = {}  # ref key -> (group, tag, n probes), this batch
+        self.last_unsupported = 0
         for i, (c, tests) in enumerate(zip(completions, tests_col)):
-            units, cases = parse_tests(tests)
-            if not units and not cases:
+            plan = judge.plan_tests(tests)
+            if not plan.units and not plan.cases:
                 logger.warning("Reward '%s': sample %d has no tests; it scores None.", self.__name__, i)
                 continue
-            self._check_supported(i, units)
+            self.last_unsupported += self._check_supported(i, plan.units)
             program = extract_code(completion_text(c))
-            plan = _plan(units, cases)
-            if units:
-                plan.tag = judge.new_tag()
-                plan.job = len(codes)
-                codes.append(build_probe_program(program, plan.probe_steps, tag=plan.tag,
-                                                 test_timeout=self.test_timeout))
-                stdins.append(None)
-            if plan.ref_key is not None and plan.ref_key not in self._ref_cache and plan.ref_key not in ref_jobs:
+            group: list[tuple[str, str | None]] = []
+            tag = None
+            if plan.supported_units:
                 tag = judge.new_tag()
-                ref_jobs[plan.ref_key] = (len(codes), tag)
-                codes.append(build_probe_program("", plan.ref_steps, tag=tag, test_timeout=self.test_timeout))
-                stdins.append(None)
-            for case in cases:
-                plan.case_jobs.append(len(codes))
-                codes.append(program)
-                stdins.append(case.input)
+                group.append((build_probe_program(program, plan.program_steps, tag=tag,
+                                                  test_timeout=self.test_timeout), None))
+            group += [(program, case.input) for case in plan.cases]
+            key = plan.ref_key if plan.supported_units else None
+            if key is not None and key not in self._ref_cache and key not in ref_jobs:
+                rtag = judge.new_tag()
+                ref_jobs[key] = (len(groups), rtag, plan.n_reference)
+                groups.append([(build_probe_program("", plan.reference_steps, tag=rtag,
+                                                    test_timeout=self.test_timeout), None)])
             plans[i] = plan
-        results = self.pool.run_many(codes, stdins=stdins) if codes else []
-        for key, (j, tag) in ref_jobs.items():
-            if len(self._ref_cache) >= 4096:
-                self._ref_cache.clear()
-            n = sum(1 for s in json.loads(key) if s[0] == "p")
-            self._ref_cache[key] = judge.parse_records(results[j].stdout, tag, n)
+            if group:
+                where[i] = (len(groups), tag)
+                groups.append(group)
+        results = self.pool.run_groups(groups) if groups else []
+        self._read_references(ref_jobs, results)
         self.last_results = [None] * len(completions)
+        self.last_reasons = [[] for _ in completions]
         out: list[float | None] = [None] * len(completions)
         for i, plan in enumerate(plans):
             if plan is None:
                 continue
+            gi, tag = where[i]
+            group = results[gi] if gi >= 0 else []
+            reasons = self.last_reasons[i]
             passed = total = 0
-            if plan.units:
-                res = results[plan.job]
+            k = 0
+            recs = refs = res = None
+            if tag is not None:
+                res = group[0]
+                k = 1
                 self.last_results[i] = res
-                recs = judge.parse_records(res.stdout, plan.tag, len(plan.probe_steps))
+                recs = judge.parse_records(res.stdout, tag, plan.n_program)
                 refs = self._ref_cache.get(plan.ref_key) if plan.ref_key is not None else None
-                for unit, wh in zip(plan.units, plan.where):
-                    total += 1
-                    passed += int(recs.program in ("ok",) and self._unit_passes(unit, wh, recs, refs))
-            for case, j in zip(plan.cases, plan.case_jobs):
+                if plan.ref_key is not None and refs is None:
+                    reasons.append("the reference run failed (not the program's fault; not cached)")
+            for unit in plan.units:
+                if unit.unsupported is not None:
+                    if self.on_unsupported == "fail":
+                        total += 1
+                        reasons.append(f"unsupported test: {unit.source[:80]!r}")
+                    continue
                 total += 1
-                res = results[j]
+                if recs.program != "ok":
+                    ok, why = False, ("the program " + {"error": "raised", "exit": "exited non-zero"}.get(
+                        recs.program or "", "sent no result (it crashed, was killed or garbled its result stream)")
+                        + (f" ({res.killed_reason})" if res.killed_reason else ""))
+                else:
+                    ok, why = judge.unit_verdict(unit, recs, refs)
+                passed += int(ok)
+                if not ok:
+                    reasons.append(f"{unit.source[:80]!r}: {why}")
+            for case, res in zip(plan.cases, group[k:]):
+                total += 1
                 if self.last_results[i] is None:
                     self.last_results[i] = res
-                passed += int(res.ok and judge.stdout_matches(res.stdout, case.output))
+                ok = res.ok and judge.stdout_matches(res.stdout, case.output)
+                passed += int(ok)
+                if not ok:
+                    reasons.append("stdin/stdout case: " + (res.killed_reason or (
+                        f"exit status {res.returncode}" if res.returncode else "wrong output")))
+            if reasons and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("Reward '%s': completion %d lost points: %s", self.__name__, i, "; ".join(reasons))
+            if not total:
+                continue  # only skipped (unsupported) tests
             if self.mode == "all":
-                out[i] = 1.0 if total and passed == total else 0.0
+                out[i] = 1.0 if passed == total else 0.0
             else:
-                out[i] = passed / total if total else 0.0
+                out[i] = passed / total
         return out
 
-    @staticmethod
-    def _unit_passes(unit, where, recs, refs) -> bool:
-        if unit.unsupported is not None or not unit.checks:
+    def _read_references(self, ref_jobs: dict, results: list) -> None:
+        """Cache the reference runs that ran to completion; rerun a failed one once, alone (it may have
+        shared the machine with hostile programs); never cache a failure."""
+        retry = {}
+        for key, (gi, tag, n) in ref_jobs.items():
+            if not self._cache_reference(key, results[gi][0], tag, n):
+                retry[key] = (tag, n)
+        for key, (tag, n) in retry.items():
+            res = self.pool.run(build_probe_program("", json.loads(key), tag=tag, test_timeout=self.test_timeout))
+            if not self._cache_reference(key, res, tag, n):
+                logger.warning("Reward '%s': the program-free reference run of a test failed twice (%s); its "
+                               "asserts count as failed in this call and it will be retried in the next one.",
+                               self.__name__, res.killed_reason or f"exit status {res.returncode}")
+
+    def _cache_reference(self, key: str, res: SandboxResult, tag: str, n: int) -> bool:
+        recs = judge.parse_records(res.stdout, tag, n)
+        if not (res.ok and recs.program == "ok" and len(recs.values) == n):
             return False
-        for check, (p, p2, ri, ri2) in zip(unit.checks, where):
-            if check.op == "const":
-                if not check.expected:
-                    return False
-                continue
-            got, expected, cmp = recs.values.get(p), check.expected, check
-            if ri is not None:
-                ref = refs.values.get(ri) if refs is not None else None
-                alt = refs.values.get(ri2) if (refs is not None and ri2 is not None) else None
-                if ref is not None and ref[0] == "v":
-                    expected = ref[1]  # the right side needs no program: it is the expected side
-                elif alt is not None and alt[0] == "v" and p2 is not None:
-                    # The left side needs no program: judge ``E op P`` with P the right side.
-                    got, expected = recs.values.get(p2), alt[1]
-                    if check.op in ("in", "not in"):
-                        cmp = dataclasses.replace(check, reverse=True)
-                    else:
-                        cmp = dataclasses.replace(check, op=judge._FLIP.get(check.op, check.op))
-                else:
-                    return False  # neither side could be evaluated without the program
-            if not judge.check_passes(cmp, got, expected):
-                return False
+        if len(self._ref_cache) >= 4096:
+            self._ref_cache.clear()
+        self._ref_cache[key] = recs
         return True
 
     def close(self) -> None:

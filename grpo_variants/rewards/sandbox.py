@@ -82,8 +82,17 @@ Fallbacks (``sandbox_capabilities()["mode"]``, warned once, never silent):
   trainer's user can (its working directory is a fresh private directory); cleanup goes by session,
   which a double fork plus ``setsid`` escapes. Install bubblewrap, or run as root.
 
-Residual risks: the kernel is the trust boundary (no seccomp filter); CPU time is limited per
-process; without a cgroup the memory total is enforced by polling.
+Since issue #25: a **seccomp filter** (:mod:`grpo_variants.rewards.seccomp`, loaded by bubblewrap's
+``--seccomp``; denied calls fail with EPERM; without bubblewrap or on an unknown architecture there is
+none, warned once); per-run **CPU bandwidth** (``cpu_cores``, cgroup ``cpu.max`` / ``cpu.cfs_quota_us``);
+uid slots owned through ``flock`` in one **machine-wide lock directory** (``_uid_lock_dir``); and the
+stub no longer execs the next stage but forks it and stays as the run's **child subreaper**: whatever
+the run leaves is reparented to it, killed once the run is over, and reaped (no zombie reaches a parent
+of the trainer that adopts orphans without reaping them). ``SandboxPool.run_groups`` runs groups of
+runs under one wall-clock budget each.
+
+Residual risks: the kernel is the trust boundary (the calls the filter allows); without a cgroup the
+memory total is enforced by polling and CPU is limited per process.
 """
 
 from __future__ import annotations
@@ -107,6 +116,25 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+
+
+def _load_seccomp():
+    # Inside the package: the sibling module. Loaded alone (stdlib only, as the reaper tests do): its file.
+    if __package__:
+        import importlib
+
+        return importlib.import_module(__package__ + ".seccomp")
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py")
+    spec = importlib.util.spec_from_file_location("_grpo_sandbox_seccomp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+build_seccomp_filter = _load_seccomp().build_filter
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +163,7 @@ _SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _HOST_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # hidden behind the run's tmpfs ("namespaces" mode)
 _LAUNCHER_EXIT = 125  # the stub failed to set the sandbox up (never the program's own code)
 _LAUNCHER_TAG = "[grpo-sandbox]"
+_GROUP_WEIGHT = 4 * min(8, os.cpu_count() or 1)  # 4 x the default pool size: runs are not starved by the host
 
 
 @dataclass
@@ -243,10 +272,46 @@ if uid is not None:
 libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
 os.umask(0o077)
 os.chdir(cfg["cwd"])
-try:
-    os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
-except OSError as e:
-    die("exec " + cfg["argv"][0], e)
+# Stay as the run's reaper: whatever the next stage leaves (bubblewrap's namespace init outlives the outer
+# bubblewrap by a moment) is reparented here and reaped, not to a parent of the trainer that may never reap.
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+child = os.fork()
+if child == 0:
+    try:
+        os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+    except OSError as e:
+        die("exec " + cfg["argv"][0], e)
+code = 125
+done = False
+while True:
+    try:
+        pid, status = os.waitpid(-1, os.WNOHANG if done else 0)
+    except ChildProcessError:
+        break
+    except InterruptedError:
+        continue
+    if pid == child:
+        code = os.waitstatus_to_exitcode(status)
+        done = True
+    if done and pid == 0:
+        # The run is over: what it left here (bubblewrap's init, a daemon without a PID namespace) ends too.
+        import time
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                with open("/proc/self/task/%s/children" % tid) as f:
+                    for p in f.read().split():
+                        try:
+                            os.kill(int(p), 9)
+                        except OSError:
+                            pass
+        except OSError:
+            pass
+        time.sleep(0.002)
+if code < 0:  # the next stage died of a signal: die of the same one, so the trainer sees it
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+    code = 128 - code
+os._exit(code)
 """
 
 
@@ -330,24 +395,29 @@ def sandbox_capabilities() -> dict:
         bwrap = _bwrap_binary()
         cg = _Cgroups.detect()
         base = {"uid_drop": bool(uids), "uids": uids, "cgroup": cg.version if cg else None, "bwrap": bwrap,
-                "is_root": root, "python": None}
+                "is_root": root, "python": None, "cpu_limit": bool(cg is not None and cg.has_cpu)}
         modes = (["bwrap"] if bwrap else []) + (["namespaces"] if root else []) + ["process"]
         chosen = None
+        seccomp_ok = build_seccomp_filter() is not None and os.environ.get("GRPO_SANDBOX_SECCOMP", "") not in (
+            "0", "no", "off", "false")
         for mode in modes:
             for py in _python_candidates():
-                caps = dict(base, mode=mode, python=py, **_mode_flags(mode, root))
-                caps["uid_drop"] = caps["uid_drop"] and bool(uids)
-                if not caps["uid_drop"]:
-                    caps["uids"] = []
-                res = _trial(caps, cg)
-                if res is not None and res.ok and res.stdout.strip() == "sandbox-ok":
-                    chosen = caps
+                for filt in ([True, False] if mode == "bwrap" and seccomp_ok else [False]):
+                    caps = dict(base, mode=mode, python=py, seccomp=filt, **_mode_flags(mode, root))
+                    caps["uid_drop"] = caps["uid_drop"] and bool(uids)
+                    if not caps["uid_drop"]:
+                        caps["uids"] = []
+                    res = _trial(caps, cg)
+                    if res is not None and res.ok and res.stdout.strip() == "sandbox-ok":
+                        chosen = caps
+                        break
+                    logger.debug("sandbox trial mode=%s python=%s seccomp=%s failed: %s", mode, py, filt, res)
+                if chosen:
                     break
-                logger.debug("sandbox trial mode=%s python=%s failed: %s", mode, py, res)
             if chosen:
                 break
         if chosen is None:
-            chosen = dict(base, mode="process", python=None, **_mode_flags("process", root))
+            chosen = dict(base, mode="process", python=None, seccomp=False, **_mode_flags("process", root))
         chosen["_cgroups"] = cg
         if cg is not None:
             import atexit
@@ -363,6 +433,16 @@ def sandbox_capabilities() -> dict:
                    "programs can read and write what this user can, and open network connections")
                 + "; install it (`apt-get install -y bubblewrap`, done by `make setup` as root)"
             )
+        if not chosen["seccomp"]:
+            warnings.append(
+                "no seccomp filter ("
+                + ("needs bubblewrap" if chosen["mode"] != "bwrap" else
+                   "disabled by GRPO_SANDBOX_SECCOMP=0" if os.environ.get("GRPO_SANDBOX_SECCOMP", "") in
+                   ("0", "no", "off", "false") else
+                   "unknown architecture " + os.uname().machine if build_seccomp_filter() is None else
+                   "bubblewrap refused it")
+                + "): io_uring, userfaultfd, keyrings, bpf, perf, ptrace and every socket family are reachable"
+            )
         if not chosen["uid_drop"]:
             warnings.append(
                 "no dedicated sandbox uid (not root): RLIMIT_NPROC counts all of this user's processes"
@@ -373,6 +453,9 @@ def sandbox_capabilities() -> dict:
                 "no usable cgroup (v2 with memory+pids, or v1): a run's total memory is enforced by polling "
                 "(every 50 ms) and its process count by RLIMIT_NPROC only"
             )
+        if cg is not None and not chosen["cpu_limit"]:
+            warnings.append("the cgroup has no cpu controller for us: a run's CPU is limited per process "
+                            "(RLIMIT_CPU) only, so a run that forks spinners slows the runs beside it")
         if not chosen["inode_cap"] and chosen["mode"] != "process":
             warnings.append("tmpfs without an inode cap (needs root); only its size is capped")
         if chosen["python"] is None:
@@ -408,8 +491,27 @@ def _trial(caps: dict, cg) -> SandboxResult | None:
         return None
 
 
+def _uid_lock_dir() -> Path:
+    """The machine-wide directory of the uid slots' lock files: the same for every trainer on this machine
+    whatever its ``GRPO_SANDBOX_DIR``, so that an ``flock`` on ``uid-N.lock`` is the one proof of owning
+    uid N (``GRPO_SANDBOX_LOCK_DIR`` overrides it; trainers sharing uids must share it)."""
+    env = os.environ.get("GRPO_SANDBOX_LOCK_DIR")
+    cands = [Path(env)] if env else [Path("/run/grpo-variants-sandbox-uids"), Path("/tmp/grpo-variants-sandbox-uids")]
+    for d in cands:
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            st = d.lstat()
+            if st.st_uid == os.getuid() and not d.is_symlink() and d.is_dir() and not st.st_mode & 0o022:
+                return d
+        except OSError:
+            continue
+    raise RuntimeError(f"No private directory for the sandbox uid locks among {[str(c) for c in cands]}; "
+                       "set GRPO_SANDBOX_LOCK_DIR to one owned by this user and not writable by others.")
+
+
 class _UidSlot:
-    """An flock-held dedicated uid: no other run (in any process) uses it while held."""
+    """An flock-held dedicated uid: no other run (in any process, of any trainer on this machine) uses it
+    while held; the processes of that uid are the holder's, and only the holder kills them."""
 
     _next = 0
     _next_lock = threading.Lock()
@@ -419,7 +521,7 @@ class _UidSlot:
         self._fd: int | None = None
         if not uids:
             return
-        locks = _sandbox_base() / "locks"
+        locks = _uid_lock_dir()
         deadline = time.monotonic() + 120
         while True:
             with _UidSlot._next_lock:
@@ -520,25 +622,36 @@ class _Cgroups:
                 d = os.path.dirname(d)
                 chain.append(d)
             for d in chain:
-                if not {"memory", "pids"} <= set(_read(os.path.join(d, "cgroup.controllers")).split()):
+                available = set(_read(os.path.join(d, "cgroup.controllers")).split())
+                if not {"memory", "pids"} <= available:
                     continue
-                try:
-                    if not {"memory", "pids"} <= set(_read(os.path.join(d, "cgroup.subtree_control")).split()):
-                        _write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids")
-                    _clean_stale(d)
-                    parent = os.path.join(d, name)
-                    if not os.path.isdir(parent):
-                        os.mkdir(parent)
-                    _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
-                except OSError:
+                parent = os.path.join(d, name)
+                for want in (["+memory +pids +cpu"] if "cpu" in available else []) + ["+memory +pids"]:
+                    try:
+                        if not set(want.replace("+", "").split()) <= set(
+                                _read(os.path.join(d, "cgroup.subtree_control")).split()):
+                            _write(os.path.join(d, "cgroup.subtree_control"), want)
+                        _clean_stale(d)
+                        if not os.path.isdir(parent):
+                            os.mkdir(parent)
+                        _write(os.path.join(parent, "cgroup.subtree_control"), want)
+                        break
+                    except OSError:
+                        continue
+                else:
                     continue
+                if "cpu" in want:
+                    try:
+                        _write(os.path.join(parent, "cpu.weight"), str(min(10000, 100 * _GROUP_WEIGHT)))
+                    except OSError:
+                        pass
                 cg = _Cgroups("v2", {"unified": parent})
                 if cg._selftest():
                     return cg
                 _rmdir(parent)
         # v1: the memory and pids hierarchies (kept by many container hosts).
         parents = {}
-        for ctrl in ("memory", "pids"):
+        for ctrl in ("memory", "pids", "cpu"):
             for root, mnt in mounts.get(ctrl, []):
                 d = own_dir(ctrl, root, mnt)
                 try:
@@ -548,9 +661,16 @@ class _Cgroups:
                         os.mkdir(parent)
                 except OSError:
                     continue
+                if ctrl == "cpu":
+                    # The trainer's runs compete as one group with the host's processes: weigh the group
+                    # like the runs a pool keeps going (each a default-weight process), not like one.
+                    try:
+                        _write(os.path.join(parent, "cpu.shares"), str(1024 * _GROUP_WEIGHT))
+                    except OSError:
+                        pass
                 parents[ctrl] = parent
                 break
-        if len(parents) == 2:
+        if "memory" in parents and "pids" in parents:
             cg = _Cgroups("v1", parents)
             if cg._selftest():
                 return cg
@@ -570,11 +690,19 @@ class _Cgroups:
         run.remove()
         return True
 
-    def create(self, memory_bytes: int, max_processes: int | None) -> "_RunCgroup":
-        """A run's cgroup; ``max_processes=None`` (v1): no pids cgroup, RLIMIT_NPROC of a dedicated uid binds."""
+    @property
+    def has_cpu(self) -> bool:
+        if self.version == "v1":
+            return "cpu" in self.parents
+        return "cpu" in _read(os.path.join(self.parents["unified"], "cgroup.subtree_control")).split()
+
+    def create(self, memory_bytes: int, max_processes: int | None, cpu_cores: float | None = None) -> "_RunCgroup":
+        """A run's cgroup; ``max_processes=None`` (v1): no pids cgroup, RLIMIT_NPROC of a dedicated uid binds.
+        ``cpu_cores``: the run's CPU bandwidth (quota per period), when the cpu controller is ours."""
         tag = "run_" + uuid.uuid4().hex[:12]
         dirs = []
-        parents = [p for c, p in self.parents.items() if c != "pids" or max_processes is not None]
+        parents = [p for c, p in self.parents.items() if (c != "pids" or max_processes is not None)
+                   and (c != "cpu" or cpu_cores)]
         try:
             for parent in parents:
                 d = os.path.join(parent, tag)
@@ -586,6 +714,8 @@ class _Cgroups:
                 if os.path.exists(os.path.join(d, "memory.swap.max")):
                     _write(os.path.join(d, "memory.swap.max"), "0")
                 _write(os.path.join(d, "pids.max"), str(max_processes if max_processes is not None else "max"))
+                if cpu_cores and os.path.exists(os.path.join(d, "cpu.max")):
+                    _write(os.path.join(d, "cpu.max"), "%d 100000" % max(1000, int(cpu_cores * 100000)))
             else:
                 mem = dirs[0]
                 _write(os.path.join(mem, "memory.limit_in_bytes"), str(memory_bytes))
@@ -593,6 +723,10 @@ class _Cgroups:
                     _write(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(memory_bytes))
                 if max_processes is not None:
                     _write(os.path.join(dirs[1], "pids.max"), str(max_processes))
+                if cpu_cores and "cpu" in self.parents:
+                    cpu = dirs[-1]
+                    _write(os.path.join(cpu, "cpu.cfs_period_us"), "100000")
+                    _write(os.path.join(cpu, "cpu.cfs_quota_us"), str(max(1000, int(cpu_cores * 100000))))
         except OSError:
             for d in dirs:
                 _rmdir(d)
@@ -648,8 +782,9 @@ class _RunCgroup:
             out.update(int(x) for x in _read(f).split() if x.isdigit())
         return sorted(out)
 
-    def kill(self, wait_s: float = 2.0) -> None:
-        if self.version == "v2" and os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
+    def kill(self, wait_s: float = 2.0, spare: int | None = None) -> None:
+        """SIGKILL every process of the cgroup (but ``spare``) and wait until they are gone."""
+        if spare is None and self.version == "v2" and os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
             try:
                 _write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
             except OSError:
@@ -657,7 +792,7 @@ class _RunCgroup:
         deadline = time.monotonic() + wait_s
         seen: set[int] = set()
         while True:
-            pids = [p for p in self.pids() if not _is_zombie(p)]
+            pids = [p for p in self.pids() if p != spare and not _is_zombie(p)]
             seen.update(pids)
             for p in pids:
                 try:
@@ -737,14 +872,14 @@ def _matching_pids(uid: int | None, sid: int | None) -> list[int]:
     return out
 
 
-def _kill_matching(uid: int | None, sid: int | None, wait_s: float = 2.0) -> int:
-    """SIGKILL every process with real uid ``uid`` or session ``sid``; wait until they are gone."""
+def _kill_matching(uid: int | None, sid: int | None, wait_s: float = 2.0, spare: int | None = None) -> int:
+    """SIGKILL every process with real uid ``uid`` or session ``sid`` (but ``spare``); wait until they are gone."""
     if uid is None and sid is None:
         return 0
     killed = 0
     deadline = time.monotonic() + wait_s
     while True:
-        pids = [p for p in _matching_pids(uid, sid) if not _is_zombie(p)]
+        pids = [p for p in _matching_pids(uid, sid) if p != spare and not _is_zombie(p)]
         if not pids:
             return killed
         for p in pids:
@@ -841,6 +976,7 @@ def run_in_sandbox(
     python: str | None = None,
     env: dict[str, str] | None = None,
     ro_paths: Sequence[str] = (),
+    cpu_cores: float | None = 1.0,
 ) -> SandboxResult:
     """Run ``code`` (a Python program) in the sandbox; never raises for anything the program does.
 
@@ -852,18 +988,24 @@ def run_in_sandbox(
     ``workdir_mb`` / ``max_files`` the size and inode cap of the writable tmpfs. ``network=True``
     keeps the host network. ``env`` adds variables to :data:`SANDBOX_ENV`. ``ro_paths`` are host
     paths made visible read-only (e.g. a site-packages directory the programs may import from).
+    ``cpu_cores`` is the run's CPU bandwidth, all its processes together (cgroup ``cpu.max`` /
+    ``cpu.cfs_quota_us``, where the cpu controller is usable; None: unlimited), so a run that forks
+    spinners cannot starve the runs beside it.
     """
     caps = sandbox_capabilities()
     return _run(caps, caps.get("_cgroups"), code, timeout=timeout, cpu_time=cpu_time, memory_mb=memory_mb,
                 total_memory_mb=total_memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes,
                 stdin=stdin, max_file_mb=max_file_mb, workdir_mb=workdir_mb, max_files=max_files,
-                max_open_files=max_open_files, network=network, python=python, env=env, ro_paths=ro_paths)
+                max_open_files=max_open_files, network=network, python=python, env=env, ro_paths=ro_paths,
+                cpu_cores=cpu_cores)
 
 
 def _bwrap_argv(caps: dict, workdir: Path, python: str, network: bool, ro_paths: Sequence[str],
-                workdir_mb: int, info_fd: int) -> list[str]:
+                workdir_mb: int, info_fd: int, seccomp_fd: int | None = None) -> list[str]:
     a = [caps["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
          "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", "--info-fd", str(info_fd)]
+    if seccomp_fd is not None:
+        a += ["--seccomp", str(seccomp_fd)]
     if network:
         a.append("--share-net")
     bound: list[str] = []
@@ -896,7 +1038,7 @@ def _bwrap_argv(caps: dict, workdir: Path, python: str, network: bool, ro_paths:
 
 def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memory_mb, max_processes,
          max_output_bytes, stdin, max_file_mb, workdir_mb, max_files, max_open_files, network, python, env,
-         ro_paths) -> SandboxResult:
+         ro_paths, cpu_cores=1.0) -> SandboxResult:
     start = time.monotonic()
     py = python or caps["python"]
     if py is None:
@@ -907,7 +1049,7 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
     total_mb = int(total_memory_mb or memory_mb)
     run_cg: _RunCgroup | None = None
     proc: subprocess.Popen | None = None
-    info_r = info_w = None
+    info_r = info_w = seccomp_fd = None
     init_pidfd = None
     cleaned = False
     try:
@@ -935,10 +1077,10 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             rlimits.append(("RLIMIT_NPROC", int(max_processes), int(max_processes)))
         if cg is not None:
             try:
-                # + 2: the stub (then bwrap) and bwrap's init. With a dedicated uid, RLIMIT_NPROC already
+                # + 3: the stub (the run's reaper), bwrap and bwrap's init. With a dedicated uid, RLIMIT_NPROC already
                 # bounds exactly this run's processes, and v1 saves joining a second hierarchy.
-                pids = None if (cg.version == "v1" and slot.uid is not None) else int(max_processes) + 2
-                run_cg = cg.create(total_mb << 20, pids)
+                pids = None if (cg.version == "v1" and slot.uid is not None) else int(max_processes) + 3
+                run_cg = cg.create(total_mb << 20, pids, cpu_cores)
             except OSError as exc:
                 logger.warning("grpo-variants sandbox: could not create the run's cgroup (%s); polling memory", exc)
         inside = mode == "bwrap"
@@ -952,7 +1094,16 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
         if inside:
             info_r, info_w = os.pipe()
             pass_fds = (info_w,)
-            argv = _bwrap_argv(caps, workdir, py, network, ro_paths, workdir_mb, info_w)
+            bpf = build_seccomp_filter(network=bool(network)) if caps.get("seccomp") else None
+            if bpf is not None:
+                # bwrap reads the filter from this pipe (it fits the pipe's buffer) and loads it before exec.
+                seccomp_fd, w = os.pipe()
+                try:
+                    os.write(w, bpf)
+                finally:
+                    os.close(w)
+                pass_fds = (info_w, seccomp_fd)
+            argv = _bwrap_argv(caps, workdir, py, network, ro_paths, workdir_mb, info_w, seccomp_fd)
         else:
             argv = [py, "-I", "-B", "-X", "utf8", "main.py"]
         cfg = {
@@ -995,23 +1146,26 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             if info_w is not None:
                 os.close(info_w)
                 info_w = None
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+                seccomp_fd = None
         if info_r is not None:
             init_pidfd = _init_pidfd(info_r, proc.pid)
         poll_memory = None if run_cg is not None else total_mb
         stdout, stderr, timed_out, over, truncated, mem_over = _collect(
             proc, start + timeout, max_output_bytes, poll_memory)
         if timed_out or over or mem_over:
-            _kill_run(proc.pid, init_pidfd, run_cg)
+            _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
         # Wait for the stub/bwrap to exit *without reaping it*, so that its pid (our process group and
         # session id) cannot be reused while we kill what the program left behind.
         while not _exited_nowait(proc.pid):
             if time.monotonic() >= start + timeout:
                 timed_out = True
-                _kill_run(proc.pid, init_pidfd, run_cg)
+                _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
                 os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
                 break
             time.sleep(0.002)
-        _kill_run(proc.pid, init_pidfd, run_cg)
+        _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
         if run_cg is None or mode != "bwrap":
             # No cgroup (or no PID namespace): find what is left by uid and session. (A process cannot
             # leave its cgroup: bubblewrap's root has no /sys, and the cgroup namespace hides the rest.)
@@ -1054,12 +1208,12 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
     finally:
         if proc is not None:
             if proc.returncode is None:  # an exception above: make sure nothing survives
-                _kill_run(proc.pid, init_pidfd, run_cg)
+                _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
                 proc.wait()
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
-        for fd in (info_r, info_w, init_pidfd):
+        for fd in (info_r, info_w, init_pidfd, seccomp_fd):
             if fd is not None:
                 try:
                     os.close(fd)
@@ -1096,14 +1250,16 @@ def _init_pidfd(info_r: int, outer_pid: int) -> int | None:
         fd = os.pidfd_open(pid)
     except (OSError, AttributeError):
         return None
-    if _ppid(pid) != outer_pid:  # already gone and the pid reused: not ours
+    parent = _ppid(pid)
+    if parent != outer_pid and (parent is None or _ppid(parent) != outer_pid):  # gone, pid reused: not ours
         os.close(fd)
         return None
     return fd
 
 
-def _kill_run(outer_pid: int, init_pidfd: int | None, run_cg: _RunCgroup | None) -> None:
-    """Kill the namespace's init first (so that bwrap reaps it), then the cgroup and the session."""
+def _kill_run(outer_pid: int, init_pidfd: int | None, run_cg: _RunCgroup | None, uid: int | None = None) -> None:
+    """Kill the namespace's init first (so that bwrap reaps it), then everything else of the run but the
+    stub (``outer_pid``, the run's reaper: it reaps what dies and exits), then whatever is left."""
     if init_pidfd is not None:
         try:
             signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
@@ -1112,6 +1268,14 @@ def _kill_run(outer_pid: int, init_pidfd: int | None, run_cg: _RunCgroup | None)
                 time.sleep(0.001)
         except OSError:
             pass
+    if not _exited_nowait(outer_pid):
+        if run_cg is not None:
+            run_cg.kill(wait_s=0.5, spare=outer_pid)
+        else:
+            _kill_matching(uid=uid, sid=outer_pid, wait_s=0.5, spare=outer_pid)
+        deadline = time.monotonic() + 1.0
+        while not _exited_nowait(outer_pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
     if run_cg is not None:
         run_cg.kill()
     _killpg(outer_pid)
@@ -1286,6 +1450,36 @@ class SandboxPool:
             self._pool().submit(run_in_sandbox, c, stdin=stdins[i] if stdins else None, **opts)
             for i, c in enumerate(codes)
         ]
+        return [f.result() for f in futs]
+
+    def run_groups(self, groups: Sequence[Sequence[tuple[str, str | bytes | None]]], budget: float | None = None,
+                   **overrides) -> list[list[SandboxResult]]:
+        """Run each group of ``(code, stdin)`` runs one after another in one worker, all of a group's runs
+        within one wall-clock ``budget`` (default: the ``timeout`` option): each run gets what is left of
+        it, and a run with nothing left is not started (``killed_reason="timeout"``, ``returncode=None``).
+        Groups run in parallel; results come back in input order."""
+        opts = {**self.run_options, **overrides}
+        budget = float(budget if budget is not None else opts.get("timeout", 5.0))
+        groups = [list(g) for g in groups]
+        if not groups:
+            return []
+        sandbox_capabilities()
+
+        def one(group):
+            deadline = time.monotonic() + budget
+            out = []
+            for code, stdin in group:
+                left = deadline - time.monotonic()
+                if left < 0.05:
+                    out.append(SandboxResult(None, "", "wall-clock budget of the group spent", True, "timeout", 0.0))
+                    continue
+                out.append(run_in_sandbox(code, stdin=stdin, **{**opts, "timeout": min(float(opts.get("timeout", 5.0)),
+                                                                                        left)}))
+            return out
+
+        if self.max_workers == 1 or len(groups) == 1:
+            return [one(g) for g in groups]
+        futs = [self._pool().submit(one, g) for g in groups]
         return [f.result() for f in futs]
 
     def close(self) -> None:

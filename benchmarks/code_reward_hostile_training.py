@@ -1,0 +1,67 @@
+"""Training time when every completion the code reward sees is hostile, vs when every one is correct.
+
+A 3-step toy GRPO run (16 completions a step, the code reward's default pool) whose reward is
+``code_pass`` fed, for every sampled completion, either a correct ``add`` or one of the hostile
+programs of ``tests/test_code_judge.py`` (crash, stall, forged records, output flood, hash-flood set,
+deep nesting), for two sandbox timeouts. The trainer must finish (``reward_on_error="raise"``); the
+ratio shows what hostile programs cost: the stalling ones use their whole wall-clock budget.
+
+    python benchmarks/code_reward_hostile_training.py
+
+Writes benchmarks/results/code_reward_hostile_training.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+from _common import toy  # noqa: E402  (sets the offline environment)
+
+import test_code_judge as tcj  # noqa: E402
+from conftest import tiny_args  # noqa: E402
+from grpo_variants import GRPOVariantTrainer  # noqa: E402
+from grpo_variants.rewards import make_code_reward  # noqa: E402
+
+HOSTILES = dict(tcj.TRAINING_HOSTILES)
+
+
+def run(kind: str, timeout: float, kit) -> dict:
+    tcj.TRAINING_HOSTILES = HOSTILES if kind == "hostile" else {"correct": tcj.CORRECT_ADD}
+    reward = tcj._EveryCompletionHostile(make_code_reward("all", timeout=timeout))
+    with tempfile.TemporaryDirectory() as d:
+        args = tiny_args(output_dir=d, max_steps=3, reward_on_error="raise")
+        trainer = GRPOVariantTrainer(model=kit.model_path, reward_funcs=[reward], args=args,
+                                     train_dataset=kit.train_dataset.select(range(256)))
+        t0, c0 = time.perf_counter(), time.process_time()
+        trainer.train()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"steps": trainer.state.global_step, "train_seconds": round(wall, 2),
+            "trainer_cpu_seconds": round(cpu, 2),
+            "reward_mean": [r.get("rewards/code_pass/mean") for r in trainer.state.log_history if "loss" in r]}
+
+
+def main() -> dict:
+    kit = toy.prepare(task="addition", verbose=False)
+    out: dict = {"steps": 3, "completions_per_step": 16, "hostile_kinds": sorted(HOSTILES),
+                 "cpu_count": os.cpu_count(), "runs": {}}
+    for timeout in (0.5, 2.0):
+        arms = {kind: run(kind, timeout, kit) for kind in ("correct", "hostile")}
+        arms["hostile_over_correct"] = round(arms["hostile"]["train_seconds"] / arms["correct"]["train_seconds"], 2)
+        out["runs"][f"timeout_{timeout}s"] = arms
+        print(timeout, json.dumps(arms), flush=True)
+    out["note"] = ("one run per arm on a shared 2-core machine; the hostile arm's extra time is the wall-clock "
+                   "budget of the stalling programs (timeout x stalls / pool workers), the trainer's own CPU "
+                   "stays that of the correct arm")
+    (HERE / "results" / "code_reward_hostile_training.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
