@@ -302,6 +302,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--kl-horizon", type=float, default=64.0)
+    parser.add_argument("--kl-target", type=float, default=0.01, help="KL per token the adaptive arm aims at")
     parser.add_argument("--arms", default=None, help="comma-separated subset of the arms")
     parser.add_argument("--quick", action="store_true", help="pipeline check: seed 0, 1500 tokens, 40 problems")
     parser.add_argument("--out", default=str(HERE / "results"))
@@ -310,6 +311,7 @@ def main() -> None:
     if args.quick:
         args.budget_tokens, args.seeds, args.eval_problems, args.max_steps = 1500, "0", 40, 3
     stem = args.stem or ("process_rewards_quick" if args.quick else "process_rewards")
+    globals()["KL_TARGET"] = args.kl_target
     seeds = [int(s) for s in args.seeds.split(",")]
     import torch
 

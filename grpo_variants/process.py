@@ -98,14 +98,14 @@ class ProcessSupervisionMixin:
     # ---- after the reward call: step ends -> tokens (local rows) ------------------------------------
     def _collect_steps(self, completions, completion_ids_list) -> None:
         """Per step function, per local row: (token indices, scores) of the steps the reward returned."""
-        from grpo_variants.rewards.steps import step_token_indices, token_char_ends
+        from grpo_variants.rewards.steps import PrefixCharEnds, step_token_indices
 
         tokenizer = self._tokenizer
         char_ends, offsets = [], []
         for completion, ids in zip(completions, completion_ids_list, strict=True):
-            ends = token_char_ends(tokenizer, ids)
+            ends = PrefixCharEnds(tokenizer, ids)  # prefixes decoded lazily: O(steps x log tokens) decodes
             seen = _local_text(completion)
-            decoded = ends[-1] if ends else 0
+            decoded = ends.total
             offsets.append(len(seen) - decoded if len(seen) >= decoded else 0)  # e.g. a prefilled assistant turn
             char_ends.append(ends)
         rows_per_func, dropped = [], 0

@@ -249,6 +249,11 @@ table[table["eval_accuracy"].notna()][["variant", "step", "generated_tokens", "w
 ]
 
 
+PROCESS_READING = """\
+## Reading the process-supervision study honestly
+
+(filled in from the committed results)"""
+
 REASONING = [
     new_markdown_cell("""\
 # A short study: the variants on a task that needs reasoning
@@ -332,6 +337,58 @@ plt.show()"""),
   and 32.2% (seeds 0 and 1: 4.3 and 2.8 standard errors, 100 CPU-seconds each); with 64 completions
   per step the gain is not robust (+6.2 and -4.6 points). See `benchmarks/results/reasoning_grpo.md`.
   A comparison of the variants at that scale (about 160k tokens per arm) is the next run to make."""),
+    new_markdown_cell("""\
+## Process supervision and an adaptive KL weight (`benchmarks/process_rewards.py`)
+
+Every partial sum of a chain trace is checkable, so the chain task has a rule-based *process* reward:
+`toy_chain_steps` scores each step 1/0 and the final answer 1/0 (`@grpo_variants.step_reward`; the
+trainer maps each step's end to the completion token that holds it). The study compares, at the same
+generated-token budget and 3 seeds: the outcome reward alone, the step reward with DeepSeekMath's
+sum-form credit (a token's advantage is the sum of the normalised rewards of the steps that end at or
+after it), with PURE's min-form credit (their minimum), and outcome + process. It also compares fixed KL
+weights with `kl_target` (beta adapted toward a target KL per token). "Right for the wrong reason" is
+the share of held-out completions whose final answer is right while a stated partial sum is wrong."""),
+    new_code_cell("""\
+from grpo_variants.tasks.toy_reasoning import score_trace
+
+print(score_trace([7, 5, 9], "7+5=12,12+9=21>21"))   # (end character, score) per step
+print(score_trace([7, 5, 9], "7+5=13,13+9=21>21"))   # right answer, wrong partial sum
+study = json.loads((RESULTS / "process_rewards.json").read_text())
+print("budget per run:", study["meta"]["budget_tokens"], "generated tokens; seeds", study["meta"]["seeds"],
+      "; held-out problems", study["meta"]["eval_problems"])
+extra_path = RESULTS / "process_rewards_kl_target_0.05.json"
+extra = json.loads(extra_path.read_text()) if extra_path.exists() else None
+rows = []
+for name, s in list(study["summary"].items()) + ([("kl_target_0.05", extra["summary"]["kl_target"])] if extra else []):
+    rows.append({"arm": name, "accuracy": s["accuracy"], "se": s["accuracy_se"],
+                 "right for wrong reason": s["right_for_wrong_reason"], "steps/completion": s["mean_steps"],
+                 "KL/token (last third)": s["kl_last_third"], "final beta": s["final_beta"]})
+print("start:", {k: round(v, 3) for k, v in study["initial"].items() if isinstance(v, float)})
+pd.DataFrame(rows).set_index("arm").round(4)"""),
+    new_code_cell("""\
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+arms = ["outcome", "process_sum", "process_min", "outcome_process"]
+summary = study["summary"]
+axes[0].bar(arms, [100 * summary[a]["accuracy"] for a in arms], yerr=[100 * (summary[a]["accuracy_se"] or 0) for a in arms],
+            label="held-out accuracy")
+axes[0].bar(arms, [100 * summary[a]["right_for_wrong_reason"] for a in arms], color="tab:red",
+            label="right for the wrong reason")
+axes[0].axhline(100 * study["initial"]["accuracy"], color="gray", ls="--", label="start")
+axes[0].set_ylabel("%")
+axes[0].legend(fontsize=8)
+for blob_, color, target in ((study, "tab:purple", study["meta"]["kl_target"]),
+                             (extra, "tab:green", extra["meta"]["kl_target"] if extra else None)):
+    if blob_ is None:
+        continue
+    for run in blob_["runs"]:
+        if run["arm"] == "kl_target":
+            axes[1].plot([k or 0.0 for k in run["kl_trajectory"]], color=color, alpha=0.6)
+    axes[1].axhline(target, color=color, ls="--")
+axes[1].set_xlabel("optimizer step")
+axes[1].set_ylabel("KL per token (dashed: target)")
+axes[1].set_title("kl_target runs")
+plt.show()"""),
+    new_markdown_cell(PROCESS_READING),
 ]
 
 

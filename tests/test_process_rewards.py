@@ -24,7 +24,14 @@ from grpo_variants.losses import (
     step_credit,
 )
 from grpo_variants.rewards.robust import RobustReward
-from grpo_variants.rewards.steps import StepReward, coerce_step_reward, step_reward, step_token_indices, token_char_ends
+from grpo_variants.rewards.steps import (
+    PrefixCharEnds,
+    StepReward,
+    coerce_step_reward,
+    step_reward,
+    step_token_indices,
+    token_char_ends,
+)
 from grpo_variants.rollout.batch import cat_rows
 
 NAN = float("nan")
@@ -160,6 +167,9 @@ class _Chars:
 def test_token_char_ends_follow_the_decoding():
     assert token_char_ends(_Chars(), [0, 1, 2, 3]) == [2, 3, 6, 6]  # a special token adds no character
     assert token_char_ends(_Chars(), []) == []
+    lazy = PrefixCharEnds(_Chars(), [0, 1, 2, 3])  # what the trainer bisects: the same values, decoded on demand
+    assert [lazy[k] for k in range(len(lazy))] == [2, 3, 6, 6] and lazy.total == 6
+    assert step_token_indices([1, 4, 7], lazy) == step_token_indices([1, 4, 7], [2, 3, 6, 6]) == [0, 2, None]
 
 
 def test_toy_tokenizer_step_ends(toy_model_path):
@@ -194,6 +204,9 @@ def test_smollm2_bpe_step_ends_map_to_the_right_tokens():
     ends = token_char_ends(tokenizer, ids)
     assert ends[-1] == len(tokenizer.decode(ids)) == len(text)
     step_ends = [text.index("\n") + 1, text.index("\n", 40) + 1, text.index("}") + 1, len(text) - 2, len(text)]
+    lazy = PrefixCharEnds(tokenizer, ids)
+    assert step_token_indices(step_ends, lazy) == step_token_indices(step_ends, ends)
+    assert len(lazy._cache) < len(ids) // 2  # bisection decodes a few prefixes, not every one
     for end, token in zip(step_ends, step_token_indices(step_ends, ends), strict=True):
         upto = tokenizer.decode(ids[: token + 1])
         before = tokenizer.decode(ids[:token])

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 __all__ = [
+    "PrefixCharEnds",
     "StepReward",
     "coerce_step_reward",
     "is_step_reward",
@@ -191,6 +192,35 @@ def token_char_ends(tokenizer, ids: Sequence[int], *, skip_special_tokens: bool 
     return ends
 
 
+class PrefixCharEnds:
+    """:func:`token_char_ends` computed lazily: ``ends[k]`` decodes ``ids[: k + 1]`` on first access (cached).
+
+    :func:`step_token_indices` bisects it, so mapping K steps decodes O(K log T) prefixes instead of T. Values are
+    clamped to the full text's length; a prefix that ends inside a multi-byte character may read one character
+    long or short there (the eager :func:`token_char_ends` smooths it with a running maximum).
+    """
+
+    def __init__(self, tokenizer, ids: Sequence[int], *, skip_special_tokens: bool = True):
+        self.tokenizer, self.ids, self.skip = tokenizer, [int(i) for i in ids], skip_special_tokens
+        self._cache: dict[int, int] = {}
+        self.total = len(tokenizer.decode(self.ids, skip_special_tokens=self.skip)) if self.ids else 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, k: int) -> int:
+        if k < 0:
+            k += len(self.ids)
+        if not 0 <= k < len(self.ids):
+            raise IndexError(k)
+        if k == len(self.ids) - 1:
+            return self.total
+        if k not in self._cache:
+            self._cache[k] = min(len(self.tokenizer.decode(self.ids[: k + 1], skip_special_tokens=self.skip)),
+                                 self.total)
+        return self._cache[k]
+
+
 def step_token_indices(step_ends: Sequence[int], char_ends: Sequence[int], *, offset: int = 0) -> list[int | None]:
     """Map step ends (character offsets, exclusive) to completion token indices; None for a dropped step.
 
@@ -203,12 +233,13 @@ def step_token_indices(step_ends: Sequence[int], char_ends: Sequence[int], *, of
     """
     import bisect
 
-    char_ends = list(char_ends)
-    total = char_ends[-1] if char_ends else 0
+    if not isinstance(char_ends, PrefixCharEnds):
+        char_ends = list(char_ends)
+    total = char_ends[-1] if len(char_ends) else 0
     out: list[int | None] = []
     for end in step_ends:
         e = int(end) - offset
-        if not char_ends or e > total:
+        if not len(char_ends) or e > total:
             out.append(None)
         elif e <= 0:
             out.append(0)
