@@ -393,9 +393,9 @@ def test_kl_target_moves_beta_and_logs_it_every_step(kl_in_reward, toy_model_pat
     betas = [r["kl_ctl/beta"] for r in logs]
     kls = [r["kl_ctl/kl"] for r in logs]
     assert len(betas) == 3 and betas[0] == 0.04
-    # step 1 is on the reference policy (KL 0 < target): e = -0.2, n / H = 16 / 16 -> beta x 0.8; afterwards the
+    # step 1 is on the reference policy (KL ~0 < target): e = -0.2, n / H = 16 / 16 -> beta x 0.8; afterwards the
     # KL is far above the tiny target: e = +0.2 -> beta x 1.2 per step
-    assert kls[0] == 0.0 and all(k > 1e-5 for k in kls[1:])
+    assert kls[0] < 1e-7 and all(k > 1e-5 for k in kls[1:])  # (0 up to float noise of the two forward passes)
     assert betas[1] == pytest.approx(0.04 * 0.8) and betas[2] == pytest.approx(0.04 * 0.8 * 1.2)
     assert trainer.kl_beta == pytest.approx(0.04 * 0.8 * 1.2 * 1.2)
 
