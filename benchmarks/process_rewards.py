@@ -284,6 +284,22 @@ def findings(summary: dict) -> list[str]:
                    f"{get('process_min', 'mean_steps'):.2f} ({d:+.2f}); right for the wrong reason "
                    f"{100 * get('process_sum', 'right_for_wrong_reason'):.1f}% vs "
                    f"{100 * get('process_min', 'right_for_wrong_reason'):.1f}%.")
+    if get("outcome") is not None and get("process_sum") is not None:
+        beats = [a for a in ("process_sum", "process_min", "outcome_process") if get(a) is not None
+                 and get(a) - get("outcome") > math.sqrt(se(a) ** 2 + se("outcome") ** 2) > 0]
+        out.append("DeepSeekMath's finding (process supervision beats outcome supervision for GRPO): "
+                   + (f"reproduced here only by {', '.join(beats)}" if beats else "not reproduced at this budget")
+                   + " (differences of a few points over 3 seeds; the outcome arm itself ended below the start).")
+        more_steps = get("process_sum", "mean_steps") - get("outcome", "mean_steps")
+        more_rfwr = get("process_sum", "right_for_wrong_reason") - get("outcome", "right_for_wrong_reason")
+        hacked = more_steps > 0.25 or more_rfwr > se("process_sum", "right_for_wrong_reason") + \
+            se("outcome", "right_for_wrong_reason")
+        out.append("PURE's finding (sum-form credit invites reward hacking: more, easier steps): "
+                   + ("signs of it" if hacked else "not reproduced at this budget")
+                   + f": the sum-form policy writes {get('process_sum', 'mean_steps'):.2f} steps per completion vs "
+                   f"{get('outcome', 'mean_steps'):.2f} for outcome-only ({more_steps:+.2f}) and is right for the wrong "
+                   f"reason {100 * get('process_sum', 'right_for_wrong_reason'):.1f}% vs "
+                   f"{100 * get('outcome', 'right_for_wrong_reason'):.1f}% of the time.")
     fixed = [a for a in ("outcome", "beta_0.01", "beta_0.04", "beta_0.16") if get(a) is not None]
     if fixed and get("kl_target") is not None:
         best = max(fixed, key=lambda a: get(a))
@@ -291,7 +307,11 @@ def findings(summary: dict) -> list[str]:
         within = abs(gap) <= max(se(best), se("kl_target"))
         out.append(f"kl_target: {100 * get('kl_target'):.1f}% vs best fixed ({best}) {100 * get(best):.1f}%: "
                    f"{'within' if within else 'not within'} one standard error ({100 * gap:+.1f} points); KL per token "
-                   f"{get('kl_target', 'kl_last_third') or float('nan'):.4f} for a target of {KL_TARGET}.")
+                   f"{get('kl_target', 'kl_last_third') or float('nan'):.4f} for a target of {KL_TARGET}"
+                   + (" (near it: within a factor 1.5)." if get("kl_target", "kl_last_third")
+                      and 1 / 1.5 <= get("kl_target", "kl_last_third") / KL_TARGET <= 1.5 else
+                      f" (not near it: {get('kl_target', 'kl_last_third') / KL_TARGET:.1f} x the target; final beta "
+                      f"{get('kl_target', 'final_beta'):.3f}: the controller was still raising it)."))
     return out
 
 
@@ -307,7 +327,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="pipeline check: seed 0, 1500 tokens, 40 problems")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--stem", default=None)
+    parser.add_argument("--rewrite", action="store_true", help="rewrite the md / png from the committed JSON")
     args = parser.parse_args()
+    if args.rewrite:
+        stem = args.stem or "process_rewards"
+        result = json.loads((Path(args.out) / f"{stem}.json").read_text())
+        globals()["KL_TARGET"] = result["meta"]["kl_target"]
+        result["findings"] = findings(result["summary"])
+        (Path(args.out) / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        write_outputs(result, Path(args.out), stem)
+        print("\n".join(result["findings"]))
+        return
     if args.quick:
         args.budget_tokens, args.seeds, args.eval_problems, args.max_steps = 1500, "0", 40, 3
     stem = args.stem or ("process_rewards_quick" if args.quick else "process_rewards")
