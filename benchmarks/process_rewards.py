@@ -16,7 +16,10 @@ completions whose final answer is right while a stated partial sum is wrong ("ri
 mean KL per token of the run's last steps and the adaptive run's beta trajectory.
 
     python benchmarks/process_rewards.py                         # the committed study
-    python benchmarks/process_rewards.py --quick                 # pipeline check: 1 seed, tiny budget
+    python benchmarks/process_rewards.py --quick                 # pipeline check: 1 seed, tiny budget, temp folder
+    python benchmarks/process_rewards.py --arms kl_target --kl-target 0.05 --kl-horizon 32 \
+        --stem process_rewards_kl_target_0.05                   # another adaptive-KL setting
+    python benchmarks/process_rewards.py --rewrite               # md / png again from the committed JSON
 """
 
 from __future__ import annotations
@@ -338,8 +341,10 @@ def main() -> None:
         write_outputs(result, Path(args.out), stem)
         print("\n".join(result["findings"]))
         return
-    if args.quick:
+    if args.quick:  # a pipeline check: written to a temporary folder unless --out says otherwise
         args.budget_tokens, args.seeds, args.eval_problems, args.max_steps = 1500, "0", 40, 3
+        if args.out == str(HERE / "results"):
+            args.out = tempfile.mkdtemp(prefix="process-rewards-quick-")
     stem = args.stem or ("process_rewards_quick" if args.quick else "process_rewards")
     globals()["KL_TARGET"] = args.kl_target
     seeds = [int(s) for s in args.seeds.split(",")]
