@@ -200,10 +200,13 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
         f"Start (warm-started policy): accuracy {100 * start['accuracy']:.1f}%, right for the wrong reason "
         f"{100 * start['right_for_wrong_reason']:.1f}%, {start['mean_steps']:.2f} steps / completion, mean length "
         f"{start['mean_length']:.1f} tokens.", "",
-        "## Supervision (beta = 0)", "",
-        "| arm | held-out accuracy | right for the wrong reason (share of all) | of right answers | steps / completion "
-        "| length | steps trained |", "|---|---|---|---|---|---|---|",
     ]
+    if any(arm in summary for arm in SUPERVISION_ARMS):
+        lines += [
+            "## Supervision (beta = 0)", "",
+            "| arm | held-out accuracy | right for the wrong reason (share of all) | of right answers | steps / "
+            "completion | length | steps trained |", "|---|---|---|---|---|---|---|",
+        ]
     for arm in SUPERVISION_ARMS:
         s = summary.get(arm)
         if not s:
@@ -227,7 +230,10 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
     lines += ["", "## Findings", ""] + [f"- {f}" for f in result["findings"]]
     lines += ["", "## Budget", "", result["budget_note"], "",
               f"Rerun: `python benchmarks/process_rewards.py --budget-tokens {meta['budget_tokens']} --seeds "
-              f"{','.join(str(s) for s in meta['seeds'])} --eval-problems {meta['eval_problems']}`."]
+              f"{','.join(str(s) for s in meta['seeds'])} --eval-problems {meta['eval_problems']} --kl-target "
+              f"{meta['kl_target']} --kl-horizon {meta['kl_horizon']:g}"
+              + (f" --arms {meta['arms']}" if meta.get("arms") else "")
+              + (f" --stem {stem}" if stem != "process_rewards" else "") + "`."]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -304,17 +310,22 @@ def findings(summary: dict) -> list[str]:
                    f"reason {100 * get('process_sum', 'right_for_wrong_reason'):.1f}% vs "
                    f"{100 * get('outcome', 'right_for_wrong_reason'):.1f}% of the time.")
     fixed = [a for a in ("outcome", "beta_0.01", "beta_0.04", "beta_0.16") if get(a) is not None]
-    if fixed and get("kl_target") is not None:
-        best = max(fixed, key=lambda a: get(a))
-        gap = get("kl_target") - get(best)
-        within = abs(gap) <= max(se(best), se("kl_target"))
-        out.append(f"kl_target: {100 * get('kl_target'):.1f}% vs best fixed ({best}) {100 * get(best):.1f}%: "
-                   f"{'within' if within else 'not within'} one standard error ({100 * gap:+.1f} points); KL per token "
-                   f"{get('kl_target', 'kl_last_third') or float('nan'):.4f} for a target of {KL_TARGET}"
-                   + (" (near it: within a factor 1.5)." if get("kl_target", "kl_last_third")
-                      and 1 / 1.5 <= get("kl_target", "kl_last_third") / KL_TARGET <= 1.5 else
-                      f" (not near it: {get('kl_target', 'kl_last_third') / KL_TARGET:.1f} x the target; final beta "
-                      f"{get('kl_target', 'final_beta'):.3f}: the controller was still raising it)."))
+    if get("kl_target") is not None:
+        kl = get("kl_target", "kl_last_third")
+        near = kl is not None and 1 / 1.5 <= kl / KL_TARGET <= 1.5
+        kl_text = (f"KL per token {kl:.4f} over the last third of the steps for a target of {KL_TARGET} ("
+                   + ("near it: within a factor 1.5)" if near else
+                      f"not near it: {kl / KL_TARGET:.1f} x the target; final beta {get('kl_target', 'final_beta'):.3f})"))
+        if fixed:
+            best = max(fixed, key=lambda a: get(a))
+            gap = get("kl_target") - get(best)
+            within = abs(gap) <= max(se(best), se("kl_target"))
+            out.append(f"kl_target: {100 * get('kl_target'):.1f}% vs best fixed ({best}) {100 * get(best):.1f}%: "
+                       f"{'within' if within else 'not within'} one standard error ({100 * gap:+.1f} points); "
+                       + kl_text + ".")
+        else:
+            out.append(f"kl_target: held-out accuracy {100 * get('kl_target'):.1f}% ± "
+                       f"{100 * se('kl_target'):.1f}; " + kl_text + ".")
     return out
 
 
@@ -373,6 +384,7 @@ def main() -> None:
             result = {
                 "meta": {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "seeds": seeds, "budget_tokens": args.budget_tokens,
                          "max_steps": args.max_steps, "eval_problems": args.eval_problems, "kl_horizon": args.kl_horizon,
+                         "arms": args.arms,
                          "kl_target": KL_TARGET, "shared": SHARED, "threads": torch.get_num_threads(),
                          "wall_seconds": round(time.perf_counter() - t0, 1)},
                 "initial": initial, "runs": runs, "summary": summary, "findings": findings(summary),
