@@ -250,9 +250,29 @@ table[table["eval_accuracy"].notna()][["variant", "step", "generated_tokens", "w
 
 
 PROCESS_READING = """\
-## Reading the process-supervision study honestly
+## Reading the process-supervision study honestly (15,000 generated tokens per run, 3 seeds, 200 problems)
 
-(filled in from the committed results)"""
+* **The budget is small** (about 17 steps of 32 completions; the 2-core machine was shared by six jobs)
+  and the outcome-only arm ends *below* the start (13.8% ± 1.1 vs 16.5%): at lr 1e-4 the first steps
+  perturb the warm-started policy. Differences of a few points over 3 seeds are hints, not results.
+* **DeepSeekMath's finding** (process supervision beats outcome supervision for GRPO): only outcome +
+  process is clearly above outcome-only (18.2% ± 0.2 vs 13.8% ± 1.1, the only arm above the start);
+  the step reward alone with sum-form credit is within one standard error (15.7% ± 2.7), with min-form
+  credit below it (10.8% ± 2.1). Partly reproduced, at this budget.
+* **PURE's finding** (sum-form credit invites hacking: more, easier steps) is *not* reproduced: the
+  sum-form policy writes as many steps per held-out completion as the outcome-only one (4.73 vs 4.80)
+  and is right for the wrong reason as often (10.2% vs 10.3%). Min-form credit gives the fewest steps
+  (4.37) and the lowest "right for the wrong reason" share (7.2%), but also the lowest accuracy. On this
+  task the steps are not easier than the answer, so there is little to hack in 17 steps.
+* **Right for the wrong reason is common**: at the start 45% of the right answers carry a wrong partial
+  sum, and 63-75% after training in every arm: the tiny policy's final answer is only loosely tied to
+  its trace, which is exactly what an outcome reward cannot see.
+* **kl_target**: with a target of 0.01 (horizon 64 sequences) the adaptive arm is within one standard
+  error of the best fixed beta (14.3% ± 1.0 vs beta 0.16: 14.8% ± 0.7) but its KL per token is 8.7x the
+  target: the controller starts by *lowering* beta (the KL is 0 on the first on-policy step, below any
+  target) and then raises it by at most 20% x n / H per step, too slowly for a 17-step run. Targets of
+  0.05 (horizons 32 and 8, `process_rewards_kl_target_0.05*.md`) end at 2-3x the target. The controller
+  does what Ziegler et al.'s does; on a run this short it lags, and "KL near the target" is not shown."""
 
 REASONING = [
     new_markdown_cell("""\
