@@ -133,7 +133,8 @@ def run_arm(kit, name: str, arm: dict, seed: int, args) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     trainer.train()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    result = evaluate_traces(trainer.model, trainer.processing_class, kit.eval_dataset.select(range(args.eval_problems)),
+    result = evaluate_traces(trainer.model, trainer.processing_class,
+                             kit.eval_dataset.select(range(args.eval_problems)),
                              kit.max_completion_length)
     history = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
     last = history[-max(1, len(history) // 3):]  # the last third of the steps
@@ -147,7 +148,8 @@ def run_arm(kit, name: str, arm: dict, seed: int, args) -> dict:
         "kl_trajectory": [r.get("kl") for r in history],
         "reward_trajectory": [r.get("reward") for r in history],
     })
-    print(f"[process_rewards] {name} seed {seed}: acc {result['accuracy']:.3f} rfwr {result['right_for_wrong_reason']:.3f} "
+    print(f"[process_rewards] {name} seed {seed}: acc {result['accuracy']:.3f} "
+          f"rfwr {result['right_for_wrong_reason']:.3f} "
           f"steps {result['steps']} tokens {result['generated_tokens']} kl {result['kl_last_third']} "
           f"cpu {cpu:.0f}s wall {wall:.0f}s", flush=True)
     return result
@@ -193,10 +195,12 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
     lines = [
         "# Process supervision and adaptive KL on the chain toy task", "",
         f"{meta['created']} · {len(meta['seeds'])} seeds · budget {meta['budget_tokens']:,} generated tokens per run "
-        f"(stops at the first step past it; at most {meta['max_steps']} steps) · {SHARED['per_device_train_batch_size']} "
+        f"(stops at the first step past it; at most {meta['max_steps']} steps) · "
+        f"{SHARED['per_device_train_batch_size']} "
         f"completions per step (G = {SHARED['num_generations']}), lr {SHARED['learning_rate']}, temperature "
-        f"{SHARED['temperature']} · held-out greedy on {meta['eval_problems']} problems · mean ± standard error over "
-        "seeds. The runs shared a 2-core machine with other jobs (1 thread each): sized down to fit (see 'Budget').", "",
+        f"{SHARED['temperature']} · held-out greedy on {meta['eval_problems']} problems · mean ± standard error "
+        "over seeds. The runs shared a 2-core machine with other jobs (1 thread each): sized down to fit (see "
+        "'Budget').", "",
         f"Start (warm-started policy): accuracy {100 * start['accuracy']:.1f}%, right for the wrong reason "
         f"{100 * start['right_for_wrong_reason']:.1f}%, {start['mean_steps']:.2f} steps / completion, mean length "
         f"{start['mean_length']:.1f} tokens.", "",
@@ -306,7 +310,8 @@ def findings(summary: dict) -> list[str]:
         out.append("PURE's finding (sum-form credit invites reward hacking: more, easier steps): "
                    + ("signs of it" if hacked else "not reproduced at this budget")
                    + f": the sum-form policy writes {get('process_sum', 'mean_steps'):.2f} steps per completion vs "
-                   f"{get('outcome', 'mean_steps'):.2f} for outcome-only ({more_steps:+.2f}) and is right for the wrong "
+                   f"{get('outcome', 'mean_steps'):.2f} for outcome-only ({more_steps:+.2f}) and is right for the "
+                   "wrong "
                    f"reason {100 * get('process_sum', 'right_for_wrong_reason'):.1f}% vs "
                    f"{100 * get('outcome', 'right_for_wrong_reason'):.1f}% of the time.")
     fixed = [a for a in ("outcome", "beta_0.01", "beta_0.04", "beta_0.16") if get(a) is not None]
@@ -315,7 +320,8 @@ def findings(summary: dict) -> list[str]:
         near = kl is not None and 1 / 1.5 <= kl / KL_TARGET <= 1.5
         kl_text = (f"KL per token {kl:.4f} over the last third of the steps for a target of {KL_TARGET} ("
                    + ("near it: within a factor 1.5)" if near else
-                      f"not near it: {kl / KL_TARGET:.1f} x the target; final beta {get('kl_target', 'final_beta'):.3f})"))
+                      f"not near it: {kl / KL_TARGET:.1f} x the target; final beta "
+                      f"{get('kl_target', 'final_beta'):.3f})"))
         if fixed:
             best = max(fixed, key=lambda a: get(a))
             gap = get("kl_target") - get(best)
@@ -382,15 +388,17 @@ def main() -> None:
             runs.append(run_arm(kit, name, arm, seed, args))
             summary = summarise(runs)
             result = {
-                "meta": {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "seeds": seeds, "budget_tokens": args.budget_tokens,
-                         "max_steps": args.max_steps, "eval_problems": args.eval_problems, "kl_horizon": args.kl_horizon,
+                "meta": {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "seeds": seeds,
+                         "budget_tokens": args.budget_tokens, "max_steps": args.max_steps,
+                         "eval_problems": args.eval_problems, "kl_horizon": args.kl_horizon,
                          "arms": args.arms,
                          "kl_target": KL_TARGET, "shared": SHARED, "threads": torch.get_num_threads(),
                          "wall_seconds": round(time.perf_counter() - t0, 1)},
                 "initial": initial, "runs": runs, "summary": summary, "findings": findings(summary),
                 "budget_note": (
                     f"Every run generated about {args.budget_tokens:,} tokens ({args.max_steps} steps at most) and was "
-                    f"evaluated on {args.eval_problems} held-out problems: far below the reasoning benchmark's 40 steps "
+                    f"evaluated on {args.eval_problems} held-out problems: far below the reasoning benchmark's 40 "
+                    "steps "
                     "x 64 completions, because the machine (2 cores) was shared by six jobs. Differences smaller than "
                     "the standard errors are not findings."),
             }

@@ -37,7 +37,8 @@ ORDER = [
 
 
 # results/<name>.md files shown in the README, in this order (others follow alphabetically)
-RESULTS_ORDER = ["overhead", "variants", "lab_comparison", "reasoning", "reasoning_grpo", "process_rewards", "dapo", "mu_grpo",
+RESULTS_ORDER = ["overhead", "variants", "lab_comparison", "reasoning", "reasoning_grpo", "process_rewards", "dapo",
+                 "mu_grpo",
                  "mu_grpo_mu20", "mu_grpo_real_speed", "code_reward", "gpu_check"]
 RESULT_SOURCES = {
     "overhead": "overhead.py",

@@ -235,10 +235,13 @@ class GRPOVariantConfig(GRPOConfig):
         metadata={
             "help": "Target KL per token for an adaptive beta (Ziegler et al. 2019): after each step beta *= 1 + "
             "clip(KL/kl_target - 1, -0.2, 0.2) * n / kl_horizon (n: sequences of the step), starting from beta "
-            "(> 0), bounded by kl_beta_min / kl_beta_max. Works with the KL in the loss or in the reward. None: fixed beta."
+            "(> 0), bounded by kl_beta_min / kl_beta_max. Works with the KL in the loss or in the reward. None: fixed "
+            "beta."
         },
     )
-    kl_horizon: float = field(default=10000.0, metadata={"help": "Adaptive KL horizon H in sequences (Ziegler's 10000)."})
+    kl_horizon: float = field(
+        default=10000.0, metadata={"help": "Adaptive KL horizon H in sequences (Ziegler's 10000)."}
+    )
     kl_beta_min: float = field(default=1e-4, metadata={"help": "Lower bound of the adaptive beta."})
     kl_beta_max: float = field(default=10.0, metadata={"help": "Upper bound of the adaptive beta."})
 
@@ -442,7 +445,9 @@ class GRPOVariantConfig(GRPOConfig):
         from grpo_variants.losses import PROCESS_CREDITS
 
         if self.process_credit not in PROCESS_CREDITS:
-            raise ConfigError(f"process_credit={self.process_credit!r} is not valid; choose one of {list(PROCESS_CREDITS)}.")
+            raise ConfigError(
+                f"process_credit={self.process_credit!r} is not valid; choose one of {list(PROCESS_CREDITS)}."
+            )
         if self.kl_target is None:
             return
         if isinstance(self.kl_target, bool) or not self.kl_target > 0:

@@ -87,7 +87,8 @@ class ProcessSupervisionMixin:
                    if i not in self._step_func_indices]
         logger.warning(
             "Step rewards %s: advantages are per token (process_credit=%r%s), A = A_outcome%s + A_process.",
-            names, args.process_credit, ", DeepSeekMath sum-form" if args.process_credit == "sum" else ", PURE min-form",
+            names, args.process_credit,
+            ", DeepSeekMath sum-form" if args.process_credit == "sum" else ", PURE min-form",
             f" of {outcome}" if outcome else " (none: no outcome reward)",
         )
 
@@ -219,6 +220,15 @@ class AdaptiveKLMixin:
             if self.loss_spec is None:  # the config refuses this already; kept for subclasses that drop the spec
                 raise ConfigError("kl_target needs a composed loss (grpo, bnpo, dr_grpo, dapo or a variant).")
             self.add_callback(_AdaptiveKLCallback(self))
+            args = self.args
+            n = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+            if 0.2 * n / args.kl_horizon > 0.5:
+                logger.warning(
+                    "kl_target: %d sequences per step with kl_horizon=%g let beta change by up to %.0f%% in one step "
+                    "(0.2 x n / H); the first on-policy steps (KL ~0 < target) can collapse it toward kl_beta_min. "
+                    "Use kl_horizon >= %d for at most 50%%.", n, args.kl_horizon, 100 * 0.2 * n / args.kl_horizon,
+                    int(0.4 * n) + 1,
+                )
 
     @property
     def kl_beta(self) -> float:

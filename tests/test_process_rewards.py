@@ -430,3 +430,12 @@ def test_resume_is_exact_with_a_step_reward_and_kl_target(toy_kit, tmp_path):
     assert second.kl_beta == first.kl_beta
     for (name, p), (_, q) in zip(first.model.named_parameters(), second.model.named_parameters()):
         assert torch.equal(p, q), name
+
+
+def test_kl_target_warns_when_one_step_can_collapse_beta(toy_model_path, small_train_dataset, make_args, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="grpo_variants.process"):
+        GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
+                           args=make_args(beta=0.04, kl_target=0.01, kl_horizon=4))  # 0.2 x 16 / 4 = 80% per step
+    assert "change by up to 80%" in caplog.text and "kl_horizon >= 7" in caplog.text

@@ -66,7 +66,9 @@ class ModelStepReward:
     def _token_id(self, token: str) -> int:
         ids = self.tokenizer.encode(token, add_special_tokens=False)
         if len(ids) != 1:
-            raise ConfigError(f"ModelStepReward: {token!r} is {len(ids)} tokens for this tokenizer; give a single token.")
+            raise ConfigError(
+                f"ModelStepReward: {token!r} is {len(ids)} tokens for this tokenizer; give a single token."
+            )
         return ids[0]
 
     def step_ends(self, text: str) -> list[int]:

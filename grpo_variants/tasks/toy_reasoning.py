@@ -240,7 +240,7 @@ def audit_trace(operands: list[int], text: str, gold=None) -> dict:
 
 @step_reward
 def toy_chain_steps(prompts, completions, answer=None, **kwargs):
-    """Toy chain addition, per step: 1 for every partial sum that is right (0 if wrong), then 1/0 for the final answer."""
+    """Toy chain addition, per step: 1 for every right partial sum (0 if wrong), then 1/0 for the final answer."""
     golds = answer if answer is not None else [None] * len(completions)
     return [score_trace(operands_of(p), toy._completion_text(c), g)
             for p, c, g in zip(prompts, completions, golds, strict=True)]

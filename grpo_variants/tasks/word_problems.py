@@ -243,5 +243,8 @@ def evaluate(model, tokenizer, dataset, *, max_new_tokens: int = 32, batch_size:
     return result
 
 
-word_problem_steps = reward("word_problem_steps", "Word problems, step reward: the intermediate quantity of a two-step "
-                                                  "problem, then the boxed answer (process supervision)")(word_problem_steps)
+word_problem_steps = reward(
+    "word_problem_steps",
+    "Word problems, step reward: the intermediate quantity of a two-step problem, then the boxed answer (process "
+    "supervision)",
+)(word_problem_steps)
