@@ -312,6 +312,7 @@ TOKEN_RATIO = {
     "gspo_token": {},
     "mu_grpo": dict(stage_prompts=8, updates_per_stage=4),
     "fipo": {},
+    "igrpo": dict(num_drafts=3, num_generations=4, draft_template="{prompt}({draft}){prompt}"),
 }
 
 
