@@ -49,7 +49,7 @@ RESULT_SOURCES = {
     "process_rewards": "process_rewards.py",
     "process_rewards_kl_target_0.05": "process_rewards.py",
     "process_rewards_kl_target_0.05_h8": "process_rewards.py",
-    "process_rewards_kl_target_0.05_long": "process_rewards.py",
+    "process_rewards_kl_long": "process_rewards.py",
     "dapo": "dapo_vs_grpo.py",
     "mu_grpo": "mu_grpo_speedup.py",
     "mu_grpo_mu20": "mu_grpo_speedup.py",
