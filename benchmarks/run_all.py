@@ -29,6 +29,7 @@ ORDER = [
     "overhead.py",
     "variants.py",
     "reasoning.py",
+    "process_rewards.py",
     "dapo_vs_grpo.py",
     "mu_grpo_speedup.py",
     "code_reward_throughput.py",
@@ -36,7 +37,8 @@ ORDER = [
 
 
 # results/<name>.md files shown in the README, in this order (others follow alphabetically)
-RESULTS_ORDER = ["overhead", "variants", "lab_comparison", "reasoning", "reasoning_grpo", "dapo", "mu_grpo",
+RESULTS_ORDER = ["overhead", "variants", "lab_comparison", "reasoning", "reasoning_grpo", "process_rewards", "dapo",
+                 "mu_grpo",
                  "mu_grpo_mu20", "mu_grpo_real_speed", "code_reward", "gpu_check"]
 RESULT_SOURCES = {
     "overhead": "overhead.py",
@@ -44,6 +46,10 @@ RESULT_SOURCES = {
     "lab_comparison": "variants.py",
     "reasoning": "reasoning.py",
     "reasoning_grpo": "reasoning.py",
+    "process_rewards": "process_rewards.py",
+    "process_rewards_kl_target_0.05": "process_rewards.py",
+    "process_rewards_kl_target_0.05_h8": "process_rewards.py",
+    "process_rewards_kl_long": "process_rewards.py",
     "dapo": "dapo_vs_grpo.py",
     "mu_grpo": "mu_grpo_speedup.py",
     "mu_grpo_mu20": "mu_grpo_speedup.py",

@@ -34,6 +34,7 @@ from grpo_variants.errors import (
 )
 from grpo_variants.registry import VariantSpec, get_variant, list_variants, register_variant
 from grpo_variants.rewards.registry import get_reward, list_rewards, reward
+from grpo_variants.rewards.steps import StepReward, step_reward
 from grpo_variants.trainer import GRPOVariantTrainer
 from grpo_variants import variants as _variants  # noqa: E402  (registers the built-in variants)
 
@@ -47,6 +48,8 @@ __all__ = [
     "list_variants",
     "register_variant",
     "reward",
+    "step_reward",
+    "StepReward",
     "get_reward",
     "list_rewards",
     "toy",

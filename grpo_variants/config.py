@@ -44,6 +44,8 @@ DYNAMIC_SAMPLING_TOPUP = ("pass_rate", "full")
 # loss (a TRL loss_type we do not compose, or use_adaptive_entropy) they would be silently ignored.
 COMPOSED_LOSS_ONLY = {
     "clip_ratio_c": None,
+    "kl_target": None,
+    "process_credit": "sum",
     "veto_scope": None,
     "fipo": False,
     "kl_estimator": "k3",
@@ -218,6 +220,30 @@ class GRPOVariantConfig(GRPOConfig):
     adaptive_clip_lower_max: float = field(default=0.8, metadata={"help": "Tightest adaptive lower ratio bound."})
     adaptive_clip_upper_min: float = field(default=1.2, metadata={"help": "Tightest adaptive upper ratio bound."})
     adaptive_clip_upper_max: float = field(default=5.0, metadata={"help": "Widest adaptive upper ratio bound."})
+
+    # ---- process supervision and adaptive KL (grpo_variants.rewards.steps, losses.process_advantages) ----
+    process_credit: str = field(
+        default="sum",
+        metadata={
+            "help": "How step rewards (reward functions declared with @step_reward) become token advantages: 'sum' "
+            "(DeepSeekMath: sum of the normalised rewards of the steps ending at or after the token) or 'min' "
+            "(PURE: their minimum). Only read when a step reward is given."
+        },
+    )
+    kl_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "Target KL per token for an adaptive beta (Ziegler et al. 2019): after each step beta *= 1 + "
+            "clip(KL/kl_target - 1, -0.2, 0.2) * n / kl_horizon (n: sequences of the step), starting from beta "
+            "(> 0), bounded by kl_beta_min / kl_beta_max. Works with the KL in the loss or in the reward. None: fixed "
+            "beta."
+        },
+    )
+    kl_horizon: float = field(
+        default=10000.0, metadata={"help": "Adaptive KL horizon H in sequences (Ziegler's 10000)."}
+    )
+    kl_beta_min: float = field(default=1e-4, metadata={"help": "Lower bound of the adaptive beta."})
+    kl_beta_max: float = field(default=10.0, metadata={"help": "Upper bound of the adaptive beta."})
 
     # ---- rewards ---------------------------------------------------------------------------
     reward_timeout: float | None = field(
@@ -445,8 +471,33 @@ class GRPOVariantConfig(GRPOConfig):
             raise ConfigError(f"max_consecutive_nonfinite ({self.max_consecutive_nonfinite}) must be >= 1.")
         if self.kl_in_reward and self.beta == 0.0:
             raise ConfigError("kl_in_reward=True needs beta > 0 (the KL coefficient subtracted from the reward).")
+        self._validate_process_and_kl_fields()
         self._validate_dynamic_sampling_fields()
         self._refuse_unhonoured_options()
+
+    def _validate_process_and_kl_fields(self) -> None:
+        from grpo_variants.losses import PROCESS_CREDITS
+
+        if self.process_credit not in PROCESS_CREDITS:
+            raise ConfigError(
+                f"process_credit={self.process_credit!r} is not valid; choose one of {list(PROCESS_CREDITS)}."
+            )
+        if self.kl_target is None:
+            return
+        if isinstance(self.kl_target, bool) or not self.kl_target > 0:
+            raise ConfigError(f"kl_target ({self.kl_target!r}) must be a positive KL per token (e.g. 0.01) or None.")
+        if not self.kl_horizon > 0:
+            raise ConfigError(f"kl_horizon ({self.kl_horizon!r}) must be > 0 (sequences; Ziegler et al. use 10000).")
+        if self.beta == 0.0:
+            raise ConfigError(
+                "kl_target needs a start value: beta=0.0 has no KL term (and no reference model) and the controller "
+                "multiplies beta. Set beta > 0 (e.g. beta=0.04) as the start, or kl_target=None."
+            )
+        if not 0 <= self.kl_beta_min <= self.beta <= self.kl_beta_max:
+            raise ConfigError(
+                f"kl_target: the start beta ({self.beta}) must lie in [kl_beta_min, kl_beta_max] = "
+                f"[{self.kl_beta_min}, {self.kl_beta_max}]; change beta or the bounds."
+            )
 
     def _validate_dynamic_sampling_fields(self) -> None:
         check = lambda name, value, allowed: value in allowed or _raise(  # noqa: E731

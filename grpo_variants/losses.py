@@ -38,7 +38,14 @@ __all__ = [
     "aggregate_seq_mean_token_mean",
     "aggregate_seq_mean_token_sum",
     "aggregate_token_mean",
+    "PROCESS_CREDITS",
+    "adaptive_kl_beta",
     "as_token_advantages",
+    "has_token_signal",
+    "normalize_step_rewards",
+    "outcome_plus_process",
+    "process_advantages",
+    "step_credit",
     "batch_std_advantages",
     "clipped_surrogate",
     "compute_log_ratio",
@@ -191,6 +198,115 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
 def get_advantage_estimator(name: str) -> Callable[..., torch.Tensor]:
     """Return the advantage estimator registered under ``name`` (see ``ADVANTAGE_ESTIMATORS``)."""
     return _lookup("advantage estimator", name, ADVANTAGE_ESTIMATORS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process supervision: step rewards -> token advantages (DeepSeekMath §4.1.3, PURE), adaptive KL coefficient
+# ---------------------------------------------------------------------------------------------------------------
+PROCESS_CREDITS = ("sum", "min")
+
+
+def normalize_step_rewards(step_rewards: torch.Tensor, group_size: int, estimator: str = "group_std",
+                           eps: float = 1e-4) -> torch.Tensor:
+    """Normalise every step reward over all steps of its group (DeepSeekMath §4.1.3).
+
+    ``step_rewards``: (B, K), row b holds the K_b step rewards of completion b then NaN padding; rows in
+    consecutive groups of ``group_size``. With R = all step rewards of the G outputs of a prompt:
+
+    * ``"group_std"`` (GRPO): r~ = (r - mean R) / (std R + eps), std unbiased;
+    * ``"group_mean"`` (Dr.GRPO, ``scale_rewards="none"``): r~ = r - mean R;
+    * ``"batch_std"`` (``scale_rewards="batch"``): r~ = (r - mean R) / (std of every step reward of the batch + eps).
+
+    A group whose step rewards are all equal, or with fewer than two steps, gets r~ = 0. Returns (B, K)
+    with NaN kept where there is no step.
+    """
+    if step_rewards.dim() != 2:
+        raise ValueError(f"step_rewards must be (B, K); got shape {tuple(step_rewards.shape)}.")
+    b, k = step_rewards.shape
+    if k == 0:
+        return step_rewards.clone()
+    grouped = _grouped(step_rewards.reshape(-1), group_size * k)  # (groups, G * K): every step of a group
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    centred = grouped - mean
+    if estimator == "group_std":
+        centred = centred / (_nanstd(grouped, dim=1, keepdim=True) + eps)
+    elif estimator == "batch_std":
+        centred = centred / (_nanstd(step_rewards) + eps)
+    elif estimator != "group_mean":
+        raise ConfigError(f"unknown advantage estimator {estimator!r} for step rewards; choose one of "
+                          f"{list(ADVANTAGE_ESTIMATORS)}.")
+    constant = zero_std_groups(step_rewards.reshape(-1), group_size * k).unsqueeze(1)
+    scorable = ~torch.isnan(grouped)
+    centred = torch.where(constant | (scorable.sum(dim=1, keepdim=True) < 2), torch.zeros_like(centred), centred)
+    centred = torch.where(scorable, torch.nan_to_num(centred, nan=0.0), torch.full_like(centred, float("nan")))
+    return centred.reshape(b, k)
+
+
+def step_credit(step_values: torch.Tensor, step_tokens: torch.Tensor, num_tokens: int,
+                credit: str = "sum") -> torch.Tensor:
+    """Token credit from per-step values: (B, K) values (NaN: no step), (B, K) token indices -> (B, T).
+
+    * ``"sum"`` (DeepSeekMath): A_{b,t} = sum of the values of the steps j with index(j) >= t;
+    * ``"min"`` (PURE): A_{b,t} = min of the values of the steps j with index(j) >= t.
+
+    A token after the last step (no step ends at or after it) gets 0. Step indices must lie in [0, T).
+    """
+    if credit not in PROCESS_CREDITS:
+        raise ConfigError(f"process credit must be one of {PROCESS_CREDITS}; got {credit!r}.")
+    b = step_values.shape[0]
+    valid = ~torch.isnan(step_values)
+    tokens = step_tokens.long().clamp(min=0)
+    if valid.any() and (int(tokens[valid].max()) >= num_tokens or int(step_tokens[valid].min()) < 0):
+        raise ValueError(f"step token indices must lie in [0, {num_tokens}); got {step_tokens[valid].tolist()}.")
+    values = torch.nan_to_num(step_values, nan=0.0).float()
+    if credit == "sum":
+        at = torch.zeros(b, num_tokens, dtype=values.dtype, device=values.device)
+        at.scatter_add_(1, tokens, torch.where(valid, values, torch.zeros_like(values)))
+        return at.flip(1).cumsum(1).flip(1)  # sum over steps ending at or after t
+    at = torch.full((b, num_tokens), float("inf"), dtype=values.dtype, device=values.device)
+    at.scatter_reduce_(1, tokens, torch.where(valid, values, torch.full_like(values, float("inf"))), reduce="amin")
+    future_min = at.flip(1).cummin(1).values.flip(1)
+    return torch.where(torch.isinf(future_min), torch.zeros_like(future_min), future_min)
+
+
+def process_advantages(step_rewards: torch.Tensor, step_tokens: torch.Tensor, group_size: int, num_tokens: int, *,
+                       credit: str = "sum", estimator: str = "group_std", eps: float = 1e-4) -> torch.Tensor:
+    """Token advantages of process supervision, (B, T): :func:`step_credit` of :func:`normalize_step_rewards`.
+
+    Sum-form (DeepSeekMath eq. in §4.1.3): A_{i,t} = sum_{j: index(j) >= t} r~_i^j. Min-form (PURE):
+    A_{i,t} = min_{j: index(j) >= t} r~_i^j. r~ normalised over every step of the group.
+    """
+    normalised = normalize_step_rewards(step_rewards, group_size, estimator, eps)
+    return step_credit(normalised, step_tokens, num_tokens, credit)
+
+
+def outcome_plus_process(outcome: torch.Tensor, process: torch.Tensor) -> torch.Tensor:
+    """Outcome and process together (PRIME's combination): A_{i,t} = A_i^outcome + A_{i,t}^process, (B, T)."""
+    return as_token_advantages(outcome).to(process.dtype) + process
+
+
+def has_token_signal(advantages: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """One bool per group: some trained token of the group has a non-zero advantage ((B,) or (B, T) advantages).
+
+    The zero-signal test of dynamic sampling for token advantages: a group with equal outcomes but
+    different step scores still carries a per-token signal.
+    """
+    adv = as_token_advantages(advantages).expand(mask.shape)
+    row = ((adv != 0) & (mask > 0)).any(dim=1)
+    return _grouped(row.float(), group_size).amax(dim=1) > 0
+
+
+def adaptive_kl_beta(beta: float, kl: float, target: float, samples: int, horizon: float, *,
+                     clip: float = 0.2, beta_min: float = 0.0, beta_max: float = float("inf")) -> float:
+    """Adaptive KL coefficient (Ziegler et al. 2019; PPO's adaptive penalty), one step.
+
+    e = clip(KL / KL_target - 1, -clip, clip); beta' = beta (1 + e n / H), then clamped to
+    [beta_min, beta_max]. ``kl``: measured KL per token; ``samples``: n, sequences of the step; ``horizon``: H.
+    """
+    if not target > 0 or not horizon > 0:
+        raise ConfigError(f"adaptive KL needs target > 0 and horizon > 0; got target={target}, horizon={horizon}.")
+    error = max(-clip, min(clip, kl / target - 1.0))
+    return float(min(beta_max, max(beta_min, beta * (1.0 + error * samples / horizon))))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ The trainer wraps TRL rather than copying it:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -41,6 +42,7 @@ from grpo_variants.errors import ConfigError
 from grpo_variants.rollout.loader import RepeatedFetchCache, RowBatch
 from grpo_variants.losses import LossSpec, compute_policy_loss
 from grpo_variants.metrics import TOKEN_FATES, TrainerMetrics
+from grpo_variants.process import AdaptiveKLMixin, ProcessSupervisionMixin
 from grpo_variants.rewards.columns import check_reward_columns
 from grpo_variants.rollout.batch import FORWARD_KEYS as _FORWARD_KEYS
 from grpo_variants.rollout.logprobs import SampledLogprobRecorder
@@ -279,7 +281,8 @@ def model_card_section(args, spec, title: str, paper_id: str, setup: dict | None
 # ------------------------------------------------------------------------------------------------
 # The trainer
 # ------------------------------------------------------------------------------------------------
-class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics, GRPOTrainer):
+class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervisionMixin, AdaptiveKLMixin,
+                         TrainerMetrics, GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss is composed from :mod:`grpo_variants.losses` by the config.
 
     Drop-in for TRL's trainer: same constructor, same config fields (plus ours). Variants subclass
@@ -323,6 +326,8 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         self._init_stages()
         check_reward_columns(reward_funcs, train_dataset, "train_dataset")  # before any generation
         reward_funcs = self._wrap_rewards(reward_funcs, args)
+        self._init_process_supervision(reward_funcs, args)  # step rewards: checks (grpo_variants.process)
+        self._init_adaptive_kl(args)
         # Phase timers and token counters (see `_timed` and `_record_generated_tokens`).
         self._phase_time = {"generation": 0.0, "reward": 0.0, "logprobs": 0.0, "rollout": 0.0}
         self._in_rollout = False
@@ -357,6 +362,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         self.loss_spec = self._build_loss_spec()
         self._check_dynamic_sampling_metric()
         self._record_rollout_logprobs = self._rollout_logprobs_supported()
+        self._install_adaptive_kl()  # kl_target: beta adapted after every optimizer step
         announcement = self.args.announce_defaults() if hasattr(self.args, "announce_defaults") else None
         if announcement and self.accelerator.is_main_process:
             logger.warning(announcement)
@@ -537,6 +543,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
             "token_ledger": dict(self._token_ledger),
             **self._dynamic_sampling_state(),
             **self._stage_state(),
+            **self._adaptive_kl_state(),
         }
 
     def load_variant_state_dict(self, state: dict) -> None:
@@ -549,6 +556,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         self._token_ledger = {**dict.fromkeys(TOKEN_FATES, 0), **state.get("token_ledger", {})}
         self._load_dynamic_sampling_state(state)
         self._load_stage_state(state)
+        self._load_adaptive_kl_state(state)
 
     def _issue_warnings_after_load(self, load_result) -> None:
         """transformers' check, without its warning when the only missing keys are tied weights (a model
@@ -694,6 +702,8 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self._timed("reward"):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            if self.process_supervision:  # step ends -> completion tokens (grpo_variants.process)
+                self._collect_steps(completions, completion_ids_list)
         self._last_rewards_per_func = rewards_per_func  # gathered over processes: (global batch, n_funcs)
         self._log_reward_health()
         self._log_lengths_by_outcome(completion_ids_list)
@@ -757,7 +767,13 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
             self._rollout_logps = None
             self._rollout_logps_expected = False
         output["generated_mask"] = self.generated_mask(output)
-        if self.args.kl_in_reward:
+        if self.process_supervision:  # step rewards: (rows, tokens) advantages (grpo_variants.process)
+            outcome = self.outcome_rewards()
+            if self.args.kl_in_reward:
+                seq_kl = self._sequence_kl(output)
+                outcome = (0.0 if outcome is None else outcome) - self.kl_beta * seq_kl
+            output = self._apply_process_advantages(output, outcome)
+        elif self.args.kl_in_reward:
             output = self._apply_kl_in_reward(output)
         else:
             self._zero_constant_group_advantages(output)
@@ -790,7 +806,23 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
     @torch.no_grad()
     def _apply_kl_in_reward(self, output):
         """KL in the reward: R_i <- R_i - beta * sum_t KL_t(pi_old || pi_ref); advantages recomputed."""
-        from grpo_variants.losses import KL_ESTIMATORS, get_advantage_estimator
+        from grpo_variants.losses import get_advantage_estimator
+
+        seq_kl = self._sequence_kl(output)
+        rewards = self.weighted_rewards() - self.kl_beta * seq_kl
+        mode = "train" if self.model.training else "eval"
+        group = self.num_generations if mode == "train" else self.num_generations_eval
+        estimator = get_advantage_estimator(self.args.resolved_advantage_estimator)
+        advantages = torch.nan_to_num(estimator(rewards, group), nan=0.0)
+        local = output["advantages"].size(0)
+        start = self.accelerator.process_index * local
+        output["advantages"] = advantages[start : start + local]
+        return output
+
+    @torch.no_grad()
+    def _sequence_kl(self, output) -> torch.Tensor:
+        """sum_t KL_t(pi_old || pi_ref) of every row of the rollout (gathered over processes); logs the penalty."""
+        from grpo_variants.losses import KL_ESTIMATORS
 
         mask = output["completion_mask"].float()
         policy_logps = output.get("old_per_token_logps")
@@ -801,17 +833,11 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
                 self.model, ids, attention, output["completion_ids"].size(1)
             )
         kl = KL_ESTIMATORS[self.args.kl_estimator](policy_logps, output["ref_per_token_logps"])
+        self._note_kl(kl, mask)  # kl_target: the KL per token of this rollout
         seq_kl = self.accelerator.gather((kl * mask).sum(dim=1))
-        rewards = self.weighted_rewards() - self.args.beta * seq_kl
         mode = "train" if self.model.training else "eval"
-        group = self.num_generations if mode == "train" else self.num_generations_eval
-        estimator = get_advantage_estimator(self.args.resolved_advantage_estimator)
-        advantages = torch.nan_to_num(estimator(rewards, group), nan=0.0)
-        local = output["advantages"].size(0)
-        start = self.accelerator.process_index * local
-        output["advantages"] = advantages[start : start + local]
-        self._metrics[mode]["kl_penalty/mean"].append((self.args.beta * seq_kl).mean().item())
-        return output
+        self._metrics[mode]["kl_penalty/mean"].append((self.kl_beta * seq_kl).mean().item())
+        return seq_kl
 
     @staticmethod
     def generated_mask(output) -> torch.Tensor:
@@ -911,6 +937,8 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         if self.loss_spec is None:
             return super()._compute_loss(model, inputs)
         spec = self.loss_spec
+        if self.args.kl_target is not None and spec.beta != 0.0:  # adaptive KL in the loss (grpo_variants.process)
+            spec = dataclasses.replace(spec, beta=self.kl_beta)
         mode = "train" if self.model.training else "eval"
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -980,6 +1008,8 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
             token_weights=token_weights,
         )
         loss = out.loss if num_items is not None else out.loss / accumulation
+        if "kl" in out.stats:
+            self._note_kl(out.stats["kl"], mask)
 
         if self.args.entropy_coef != 0.0:  # static entropy bonus, TRL's definition (mean over acting tokens)
             acting = mask if entropy_mask is None else mask * entropy_mask

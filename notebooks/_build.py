@@ -249,6 +249,39 @@ table[table["eval_accuracy"].notna()][["variant", "step", "generated_tokens", "w
 ]
 
 
+PROCESS_READING = """\
+## Reading the process-supervision study honestly (15,000 generated tokens per run, 3 seeds, 200 problems)
+
+* **The budget is small** (about 17 steps of 32 completions; the 2-core machine was shared by six jobs)
+  and the outcome-only arm ends *below* the start (13.8% ± 1.1 vs 16.5%): at lr 1e-4 the first steps
+  perturb the warm-started policy. Differences of a few points over 3 seeds are hints, not results.
+* **DeepSeekMath's finding** (process supervision beats outcome supervision for GRPO): only outcome +
+  process is clearly above outcome-only (18.2% ± 0.2 vs 13.8% ± 1.1, the only arm above the start);
+  the step reward alone with sum-form credit is within one standard error (15.7% ± 2.7), with min-form
+  credit below it (10.8% ± 2.1). Partly reproduced, at this budget.
+* **PURE's finding** (sum-form credit invites hacking: more, easier steps) is *not* reproduced: the
+  sum-form policy writes as many steps per held-out completion as the outcome-only one (4.73 vs 4.80)
+  and is right for the wrong reason as often (10.2% vs 10.3%). Min-form credit gives the fewest steps
+  (4.37) and the lowest "right for the wrong reason" share (7.2%), but also the lowest accuracy. On this
+  task the steps are not easier than the answer, so there is little to hack in 17 steps.
+* **Right for the wrong reason is common**: at the start 45% of the right answers carry a wrong partial
+  sum, and 63-75% after training in every arm: the tiny policy's final answer is only loosely tied to
+  its trace, which is exactly what an outcome reward cannot see.
+* **kl_target**: with a target of 0.01 (horizon 64 sequences) the adaptive arm is within one standard
+  error of the best fixed beta (14.3% ± 1.0 vs beta 0.16: 14.8% ± 0.7) but its KL per token is 8.7x the
+  target: the controller starts by *lowering* beta (the KL is 0 on the first on-policy step, below any
+  target) and then raises it by at most 20% x n / H per step, too slowly for a 17-step run. A target of
+  0.05 ends at 2.8x (horizon 32) and 3.1x (horizon 8) the target: with H = 8 the first steps cut beta
+  from 0.04 to its floor (factor 0.2 per step) and it then climbs back exponentially, late
+  (`process_rewards_kl_target_0.05*.md`; the trainer now warns when 0.2 x n / H > 0.5).
+* **Given 40 steps it tracks the target**: at 36,000 tokens per run (`process_rewards_kl_long.md`) the
+  adaptive arm (target 0.05, H = 32) ends at a KL per token of 0.0488 ± 0.0014, as steady as the fixed
+  beta 0.16 that happens to give the same KL (0.0500 ± 0.0034), with beta ending at 0.13. Its accuracy
+  (12.2% ± 1.7) is within one standard error of beta 0.16's (13.7% ± 1.4) but not of the best fixed beta
+  (0.04: 15.0% ± 1.3); every arm of that run ends at or below the start, so the accuracy ranking of the
+  KL weights is noise here. The study shows the controller reaching its target, not that a KL target
+  beats a tuned beta."""
+
 REASONING = [
     new_markdown_cell("""\
 # A short study: the variants on a task that needs reasoning
@@ -332,6 +365,63 @@ plt.show()"""),
   and 32.2% (seeds 0 and 1: 4.3 and 2.8 standard errors, 100 CPU-seconds each); with 64 completions
   per step the gain is not robust (+6.2 and -4.6 points). See `benchmarks/results/reasoning_grpo.md`.
   A comparison of the variants at that scale (about 160k tokens per arm) is the next run to make."""),
+    new_markdown_cell("""\
+## Process supervision and an adaptive KL weight (`benchmarks/process_rewards.py`)
+
+Every partial sum of a chain trace is checkable, so the chain task has a rule-based *process* reward:
+`toy_chain_steps` scores each step 1/0 and the final answer 1/0 (`@grpo_variants.step_reward`; the
+trainer maps each step's end to the completion token that holds it). The study compares, at the same
+generated-token budget and 3 seeds: the outcome reward alone, the step reward with DeepSeekMath's
+sum-form credit (a token's advantage is the sum of the normalised rewards of the steps that end at or
+after it), with PURE's min-form credit (their minimum), and outcome + process. It also compares fixed KL
+weights with `kl_target` (beta adapted toward a target KL per token). "Right for the wrong reason" is
+the share of held-out completions whose final answer is right while a stated partial sum is wrong."""),
+    new_code_cell("""\
+from grpo_variants.tasks.toy_reasoning import score_trace
+
+print(score_trace([7, 5, 9], "7+5=12,12+9=21>21"))   # (end character, score) per step
+print(score_trace([7, 5, 9], "7+5=13,13+9=21>21"))   # right answer, wrong partial sum
+study = json.loads((RESULTS / "process_rewards.json").read_text())
+print("budget per run:", study["meta"]["budget_tokens"], "generated tokens; seeds", study["meta"]["seeds"],
+      "; held-out problems", study["meta"]["eval_problems"])
+extra_path = RESULTS / "process_rewards_kl_target_0.05.json"
+extra = json.loads(extra_path.read_text()) if extra_path.exists() else None
+long_path = RESULTS / "process_rewards_kl_long.json"  # the KL arms again at 36,000 tokens (about 40 steps)
+long = json.loads(long_path.read_text()) if long_path.exists() else None
+rows = []
+for name, s in (list(study["summary"].items())
+                + ([("kl_target_0.05", extra["summary"]["kl_target"])] if extra else [])
+                + ([(f"{arm} @36k", v) for arm, v in long["summary"].items()] if long else [])):
+    rows.append({"arm": name, "accuracy": s["accuracy"], "se": s["accuracy_se"],
+                 "right for wrong reason": s["right_for_wrong_reason"], "steps/completion": s["mean_steps"],
+                 "KL/token (last third)": s["kl_last_third"], "final beta": s["final_beta"]})
+print("start:", {k: round(v, 3) for k, v in study["initial"].items() if isinstance(v, float)})
+pd.DataFrame(rows).set_index("arm").round(4)"""),
+    new_code_cell("""\
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+arms = ["outcome", "process_sum", "process_min", "outcome_process"]
+summary = study["summary"]
+axes[0].bar(arms, [100 * summary[a]["accuracy"] for a in arms],
+            yerr=[100 * (summary[a]["accuracy_se"] or 0) for a in arms], label="held-out accuracy")
+axes[0].bar(arms, [100 * summary[a]["right_for_wrong_reason"] for a in arms], color="tab:red",
+            label="right for the wrong reason")
+axes[0].axhline(100 * study["initial"]["accuracy"], color="gray", ls="--", label="start")
+axes[0].set_ylabel("%")
+axes[0].legend(fontsize=8)
+for blob_, color, target in ((study, "tab:purple", study["meta"]["kl_target"]),
+                             (extra, "tab:green", extra["meta"]["kl_target"] if extra else None),
+                             (long, "tab:red", long["meta"]["kl_target"] if long else None)):
+    if blob_ is None:
+        continue
+    for run in blob_["runs"]:
+        if run["arm"] == "kl_target":
+            axes[1].plot([k or 0.0 for k in run["kl_trajectory"]], color=color, alpha=0.6)
+    axes[1].axhline(target, color=color, ls="--")
+axes[1].set_xlabel("optimizer step")
+axes[1].set_ylabel("KL per token (dashed: target; red: 36k tokens)")
+axes[1].set_title("kl_target runs")
+plt.show()"""),
+    new_markdown_cell(PROCESS_READING),
 ]
 
 

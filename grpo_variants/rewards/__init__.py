@@ -37,11 +37,14 @@ from grpo_variants.rewards.math_verify_utils import (
     normalize_answer,
 )
 from grpo_variants.rewards.robust import RobustReward, wrap_reward_funcs
+from grpo_variants.rewards.steps import StepReward, step_reward
 from grpo_variants.rewards.sandbox import SandboxPool, SandboxResult, run_in_sandbox, sandbox_capabilities
 
 __all__ = [
     "RewardSpec",
     "reward",
+    "StepReward",
+    "step_reward",
     "get_reward",
     "list_rewards",
     "REWARD_FACTORIES",

@@ -40,6 +40,11 @@ score silently became 0):
   duplicates the function gets the original arguments untouched.
 * **Metrics** since the last :meth:`RobustReward.pop_metrics`: mean, error_rate, timeout_rate,
   nan_rate, time_s, cache_hit_rate.
+* **Step rewards** (a function declared with :func:`~grpo_variants.rewards.steps.step_reward`): each
+  completion's value is parsed into a :class:`~grpo_variants.rewards.steps.StepReward` (a bad shape is
+  an error for that sample, handled as above; a non-finite step score is a non-finite value); the call
+  returns to TRL the mean step score per completion and keeps the steps in ``last_steps`` (one entry
+  per sample of the call, None when missing) for the trainer.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 from grpo_variants.errors import ConfigError, RewardFunctionError
+from grpo_variants.rewards.steps import StepReward, coerce_step_reward, is_step_reward, step_delimiter
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +188,9 @@ class RobustReward:
         self.on_error = on_error
         self.cache_duplicates = bool(cache_duplicates)
         self.warn_after = None if warn_after is None else float(warn_after)
+        self.returns_steps = is_step_reward(func)  # a step reward (grpo_variants.rewards.steps)
+        self.step_delimiter = step_delimiter(func) if self.returns_steps else None
+        self.last_steps: list | None = None  # the steps of the last call's samples (step rewards only)
         self._init_runtime()
 
     # ---- state -------------------------------------------------------------------------------
@@ -342,8 +351,8 @@ class RobustReward:
         )
 
     # ---- validation --------------------------------------------------------------------------
-    def _validate(self, out: Any, n: int, batch: int | None = None) -> list:
-        """Convert to a list of float/None/_Failure; wrong length raises."""
+    def _validate(self, out: Any, n: int, batch: int | None = None, texts: list | None = None) -> list:
+        """Convert to a list of float/None/_Failure (StepReward for a step reward); wrong length raises."""
         if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
             raise RewardFunctionError(
                 f"Reward function '{self.__name__}' returned {type(out).__name__}, expected a list of {n} floats "
@@ -364,6 +373,18 @@ class RobustReward:
         for i, v in enumerate(out):
             if v is None:
                 values.append(None)
+                continue
+            if self.returns_steps:
+                try:
+                    text = _completion_text(texts[i]) if texts is not None and i < len(texts) else None
+                    values.append(coerce_step_reward(v, text, self.step_delimiter))
+                except (TypeError, ValueError) as exc:
+                    values.append(_Failure(TypeError(f"returned a malformed step reward: {exc}")))
+                continue
+            if isinstance(v, (StepReward, list, tuple)):
+                values.append(_Failure(TypeError(
+                    f"returned {type(v).__name__} {v!r} for one completion: a function that scores steps must be "
+                    "declared with @grpo_variants.step_reward (see grpo_variants.rewards.steps)")))
                 continue
             try:
                 if isinstance(v, (str, bytes)):
@@ -443,7 +464,7 @@ class RobustReward:
                 self._account(n, n, 0, 0, n - m, [], time.perf_counter() - t0)
                 raise
         else:
-            values = self._validate(res, m, n)  # wrong length raises here
+            values = self._validate(res, m, n, texts=[completions[i] for i in unique])  # wrong length raises here
             if any(isinstance(v, _Failure) for v in values) and self.on_error == "raise":
                 j = next(k for k, v in enumerate(values) if isinstance(v, _Failure))
                 self._account(n, n, 0, 0, n - m, [], time.perf_counter() - t0)
@@ -451,7 +472,7 @@ class RobustReward:
 
         # Non-finite values.
         for j, v in enumerate(values):
-            if isinstance(v, float) and not math.isfinite(v):
+            if isinstance(v, float) and not math.isfinite(v) or isinstance(v, StepReward) and not v.finite():
                 if self.on_error == "raise":
                     self._account(n, 0, 0, 1, n - m, [], time.perf_counter() - t0)
                     raise RewardFunctionError(
@@ -478,6 +499,9 @@ class RobustReward:
                 out.append(v)
         if n_err or n_timeout or n_nan:
             self._log_missing(n, n_err, n_timeout, n_nan, values)
+        if self.returns_steps:  # TRL gets the mean step score; the steps stay here for the trainer
+            self.last_steps = out
+            out = [None if v is None else v.summary for v in out]
         self._account(n, n_err, n_timeout, n_nan, n - m, [v for v in out if v is not None], time.perf_counter() - t0)
         return out
 
@@ -507,7 +531,7 @@ class RobustReward:
                     if not isinstance(r, list) or len(r) != 1:
                         vals.append(_Failure(TypeError(f"returned {r!r} for a single sample")))
                     else:
-                        vals.append(self._validate(r, 1)[0])
+                        vals.append(self._validate(r, 1, texts=[completions[i]])[0])
                 except Exception as exc:  # noqa: BLE001
                     vals.append(_Failure(exc))
                 if stop_early and isinstance(vals[-1], _Failure):
@@ -571,6 +595,15 @@ def _capture(fn: Callable[[], Any]) -> Any:
         return fn()
     except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
         return exc
+
+
+def _completion_text(completion) -> str:
+    """The text of one completion (conversational: its messages' contents joined)."""
+    if isinstance(completion, list):
+        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    return str(completion)
 
 
 def _preview(completions, index: int) -> str:

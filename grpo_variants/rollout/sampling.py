@@ -56,7 +56,9 @@ auto-added overlong penalty, the paper's accuracy; equal to ``"reward"`` without
 (every reward function, what the advantage sees) or one reward function's name.
 
 * ``"nonzero_std"`` (the paper): keep a group when its scorable values are not all equal (at least
-  two non-NaN values and max > min).
+  two non-NaN values and max > min). With step rewards (:mod:`grpo_variants.process`) and the metric
+  ``"reward"`` / ``"task_reward"`` the test reads the token advantages instead: a group is kept when
+  some trained token has a non-zero advantage (equal outcomes with different step scores carry signal).
 * ``"band"`` (band-pass): a completion is correct when ``v > dynamic_sampling_correct_threshold``; keep
   the group when ``dynamic_sampling_band_low <= mean accuracy <= dynamic_sampling_band_high``.
 
@@ -433,6 +435,10 @@ class DynamicSamplingMixin:
             values = self._filter_values()
             keep = select_groups(values, group, mode=args.dynamic_sampling_filter, band=band,
                                  correct_threshold=args.dynamic_sampling_correct_threshold)
+            if getattr(self, "process_supervision", False) and args.dynamic_sampling_filter == "nonzero_std" \
+                    and args.dynamic_sampling_metric in ("reward", "task_reward"):
+                # step rewards: a group carries signal when some trained token has a non-zero advantage
+                keep = self.token_signal_groups(output).to(keep.device)
             generated += keep.numel()
             qualified += int(keep.sum().item())
             round_groups.append(keep.numel())

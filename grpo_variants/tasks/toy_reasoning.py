@@ -60,6 +60,7 @@ import torch
 from grpo_variants.tasks import toy
 from grpo_variants.errors import ConfigError
 from grpo_variants.rewards.registry import reward
+from grpo_variants.rewards.steps import step_reward
 
 __all__ = [
     "TASKS",
@@ -75,6 +76,11 @@ __all__ = [
     "make_trace",
     "parse_answer",
     "make_chain_accuracy",
+    "audit_trace",
+    "operands_of",
+    "score_trace",
+    "toy_chain_steps",
+    "trace_steps",
     "chain_accuracy",
     "make_dataset",
     "make_refinement_row",
@@ -166,6 +172,82 @@ chain_accuracy = reward(
 chain_accuracy_pm1 = make_chain_accuracy(correct=1.0, wrong=-1.0)
 chain_accuracy_pm1.__name__ = "toy_chain_accuracy_pm1"
 chain_accuracy_pm1 = reward("toy_chain_accuracy_pm1", "Toy chain addition: +1 correct / -1 wrong")(chain_accuracy_pm1)
+
+
+# --------------------------------------------------------------------------------------------
+# Process supervision: every partial sum of a trace is checkable (the step verifier)
+# --------------------------------------------------------------------------------------------
+_LAST_INT = re.compile(r"(-?\d+)\D*$")
+
+
+def operands_of(prompt) -> list[int]:
+    """The operands of a chain prompt (``"7+5+9="`` -> [7, 5, 9]); conversational prompts read their last message."""
+    text = toy._completion_text(prompt[-1:] if isinstance(prompt, list) else prompt)
+    body = text.split("(")[0] if "(" not in text.rstrip("=").split("=")[-1] else text
+    body = text.rsplit(")", 1)[-1] if ")" in text else body  # a refinement prompt: the question after the draft
+    return [int(x) for x in re.findall(r"\d+", body.split("=")[0])]
+
+
+def trace_steps(text: str) -> list[tuple[int, int | None]]:
+    """``(end, stated value)`` of every completed step of a trace: each segment closed by ``,`` or ``>`` (its end is
+    just after that delimiter; value: the last integer in it, None if it has none), then the final answer after the
+    last ``>`` when the completion ends with it (end = ``len(text)``). An empty segment (the terse form's ``">21"``)
+    is no step; a segment still open (cut by the length limit) is no step."""
+    steps, start = [], 0
+    answer_at = text.rfind(">")
+    for i, ch in enumerate(text):
+        if ch in ",>" and (answer_at < 0 or i <= answer_at):
+            segment = text[start:i]
+            if segment.strip():
+                match = _LAST_INT.search(segment)
+                steps.append((i + 1, int(match.group(1)) if match else None))
+            start = i + 1
+    final = parse_answer(text)
+    if final is not None and answer_at >= 0:
+        steps.append((len(text), final))
+    return steps
+
+
+def score_trace(operands: list[int], text: str, gold=None, *, correct: float = 1.0,
+                wrong: float = 0.0) -> list[tuple[int, float]]:
+    """``(end_char, score)`` per step: the j-th partial-sum step is ``correct`` when it states the sum of the first
+    j + 2 operands (a step beyond the last partial sum is ``wrong``); the final answer step is ``correct`` when it
+    equals ``gold`` (default: the sum of the operands)."""
+    partial = [sum(operands[: j + 2]) for j in range(len(operands) - 1)]
+    gold = sum(operands) if gold is None else int(str(gold).strip())
+    steps = trace_steps(text)
+    has_answer = parse_answer(text) is not None and text.rfind(">") >= 0
+    out = []
+    for j, (end, value) in enumerate(steps):
+        if has_answer and j == len(steps) - 1:
+            out.append((end, correct if value == gold else wrong))
+        else:
+            out.append((end, correct if j < len(partial) and value == partial[j] else wrong))
+    return out
+
+
+def audit_trace(operands: list[int], text: str, gold=None) -> dict:
+    """``{"final_right", "partial_wrong", "right_for_wrong_reason"}`` of one completion: the final answer equals the
+    gold sum; some stated partial sum is wrong; both at once."""
+    scored = score_trace(operands, text, gold)
+    has_answer = parse_answer(text) is not None
+    partial = scored[:-1] if has_answer else scored
+    final_right = bool(has_answer and scored and scored[-1][1] > 0)
+    partial_wrong = any(s <= 0 for _, s in partial)
+    return {"final_right": final_right, "partial_wrong": partial_wrong,
+            "right_for_wrong_reason": final_right and partial_wrong}
+
+
+@step_reward
+def toy_chain_steps(prompts, completions, answer=None, **kwargs):
+    """Toy chain addition, per step: 1 for every right partial sum (0 if wrong), then 1/0 for the final answer."""
+    golds = answer if answer is not None else [None] * len(completions)
+    return [score_trace(operands_of(p), toy._completion_text(c), g)
+            for p, c, g in zip(prompts, completions, golds, strict=True)]
+
+
+toy_chain_steps = reward("toy_chain_steps", "Toy chain addition, step reward: 1/0 per partial sum, then 1/0 for the "
+                                            "final answer (process supervision)")(toy_chain_steps)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,11 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
+
+from grpo_variants.rewards.registry import reward
+from grpo_variants.rewards.steps import step_reward
 
 __all__ = [
     "INSTRUCTION",
@@ -38,6 +42,7 @@ __all__ = [
     "make_dataset",
     "evaluate",
     "accuracy_with_stderr",
+    "word_problem_steps",
 ]
 
 INSTRUCTION = "Reply with only the final answer in the form \\boxed{N}."
@@ -54,6 +59,7 @@ class Problem:
     answer: int
     kind: str  # add, sub, mul, add_sub, mul_add, sub_add
     steps: int
+    intermediate: int | None = None  # the first step's result of a two-step problem (process supervision)
 
 
 def generate_problem(rng: random.Random) -> Problem:
@@ -80,19 +86,19 @@ def generate_problem(rng: random.Random) -> Problem:
         c = rng.randint(1, a + b - 1)
         q = (f"{name} has {a} {item}. {he} buys {b} more and then gives {c} to a friend. "
              f"How many {item} does {name} have now?")
-        return Problem(q, a + b - c, kind, 2)
+        return Problem(q, a + b - c, kind, 2, a + b)
     if kind == "mul_add":
         a, b, c = rng.randint(2, 6), rng.randint(2, 6), rng.randint(1, 15)
         q = (f"{name} buys {a} bags with {b} {item} in each bag. {he} already had {c} {item}. "
              f"How many {item} does {name} have now?")
-        return Problem(q, a * b + c, kind, 2)
+        return Problem(q, a * b + c, kind, 2, a * b)
     # sub_add
     a = rng.randint(10, 40)
     b = rng.randint(1, a - 1)
     c = rng.randint(1, 20)
     q = (f"{name} has {a} {item}. {he} loses {b} of them and then finds {c} more. "
          f"How many {item} does {name} have now?")
-    return Problem(q, a - b + c, kind, 2)
+    return Problem(q, a - b + c, kind, 2, a - b)
 
 
 def make_problems(n: int, seed: int) -> list[Problem]:
@@ -133,8 +139,47 @@ def make_dataset(split: str = "train", n: int = 1000, seed: int = 0, *, conversa
             "answer": [str(p.answer) for p in problems],
             "kind": [p.kind for p in problems],
             "steps": [p.steps for p in problems],
+            "intermediate": [-1 if p.intermediate is None else p.intermediate for p in problems],
         }
     )
+
+
+_BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
+_NUMBER = re.compile(r"-?\d+")
+
+
+def _steps_of(text: str, gold: str, intermediate: int, given: set[int]) -> list[tuple[int, float]]:
+    boxed = list(_BOXED.finditer(text))
+    final = boxed[-1] if boxed else None
+    steps = []
+    if intermediate >= 0:  # a two-step problem: the first new quantity stated before the answer is the first step
+        before = text[: final.start()] if final else text
+        for number in _NUMBER.finditer(before):
+            value = int(number.group())
+            if value == intermediate or value not in given:  # a number of the question restated is no step
+                steps.append((number.end(), 1.0 if value == intermediate else 0.0))
+                break
+    if final is not None:
+        steps.append((final.end(), 1.0 if final.group(1) == str(gold).strip() else 0.0))
+    else:
+        steps.append((len(text), 0.0))  # no boxed answer: the last step scores 0
+    return steps
+
+
+@step_reward
+def word_problem_steps(prompts, completions, answer, intermediate, **kwargs):
+    """Word problems, per step: for a two-step problem the first new quantity the completion states (a number that
+    is not one of the question's, or the intermediate itself) scores 1 when it is the intermediate quantity (a + b,
+    a x b or a - b), 0 otherwise; the boxed answer scores 1 when right (0, ending the completion, when there is
+    none). Needs the dataset's ``answer`` and ``intermediate`` columns (``intermediate`` is -1 for a one-step
+    problem)."""
+    from grpo_variants.rewards.robust import _completion_text
+
+    out = []
+    for p, c, g, m in zip(prompts, completions, answer, intermediate, strict=True):
+        given = {int(x) for x in _NUMBER.findall(_completion_text(p))} if p is not None else set()
+        out.append(_steps_of(_completion_text(c), g, int(m), given))
+    return out
 
 
 def accuracy_with_stderr(correct: list[bool]) -> tuple[float, float]:
@@ -196,3 +241,10 @@ def evaluate(model, tokenizer, dataset, *, max_new_tokens: int = 32, batch_size:
     if return_details:
         result["completions"] = completions
     return result
+
+
+word_problem_steps = reward(
+    "word_problem_steps",
+    "Word problems, step reward: the intermediate quantity of a two-step problem, then the boxed answer (process "
+    "supervision)",
+)(word_problem_steps)

@@ -1,0 +1,442 @@
+"""Process supervision (step rewards -> token advantages) and the adaptive KL coefficient (issue #28).
+
+Pure functions against hand-computed tensors; step ends mapped to tokens for the toy tokenizer and
+SmolLM2's BPE tokenizer (slow); step rewards through RobustReward; every token-ratio variant trains 2
+steps with a step reward; GSPO (sequence ratio) and TRL's own losses refuse it; exact resume with a step
+reward and ``kl_target``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_variants import ConfigError, GRPOVariantConfig, GRPOVariantTrainer, get_variant, toy
+from grpo_variants.errors import RewardFunctionError
+from grpo_variants.losses import (
+    adaptive_kl_beta,
+    has_token_signal,
+    normalize_step_rewards,
+    outcome_plus_process,
+    process_advantages,
+    step_credit,
+)
+from grpo_variants.rewards.robust import RobustReward
+from grpo_variants.rewards.steps import (
+    PrefixCharEnds,
+    StepReward,
+    coerce_step_reward,
+    step_reward,
+    step_token_indices,
+    token_char_ends,
+)
+from grpo_variants.rollout.batch import cat_rows
+
+NAN = float("nan")
+
+
+# ------------------------------------------------------------------------------------------------
+# losses.py: hand-computed
+# ------------------------------------------------------------------------------------------------
+def test_step_rewards_normalised_over_every_step_of_the_group():
+    # group 1: steps {1, 0} and {1, 1, 1}: R = 1,0,1,1,1, mean 0.8, unbiased std sqrt(0.2)
+    # group 2: steps {0} and {1, 0, 1}: R = 0,1,0,1, mean 0.5, unbiased std sqrt(1/3)
+    r = torch.tensor([[1.0, 0.0, NAN], [1.0, 1.0, 1.0], [0.0, NAN, NAN], [1.0, 0.0, 1.0]])
+    got = normalize_step_rewards(r, 2, "group_std", eps=0.0)
+    s1, s2 = math.sqrt(0.2), math.sqrt(1 / 3)
+    want = torch.tensor([[0.2 / s1, -0.8 / s1, NAN], [0.2 / s1] * 3, [-0.5 / s2, NAN, NAN],
+                         [0.5 / s2, -0.5 / s2, 0.5 / s2]])
+    assert torch.allclose(got, want, equal_nan=True, atol=1e-6)
+    centred = normalize_step_rewards(r, 2, "group_mean")  # Dr.GRPO: r - mean R
+    assert torch.allclose(centred[0, :2], torch.tensor([0.2, -0.8]), atol=1e-6)
+    # a group whose steps are all equal, and a group with a single step, get 0 (NaN kept where no step)
+    flat = normalize_step_rewards(torch.tensor([[1.0, 1.0], [1.0, NAN], [0.5, NAN], [NAN, NAN]]), 2)
+    assert torch.equal(torch.nan_to_num(flat, nan=-9.0), torch.tensor([[0.0, 0.0], [0.0, -9.0], [0.0, -9.0],
+                                                                      [-9.0, -9.0]]))
+
+
+def test_sum_and_min_form_credit_by_hand():
+    # one completion, T = 6; steps end at tokens 1, 3 and 3 (an empty step shares its token), values a, b, c
+    a, b, c = 0.5, -1.0, 2.0
+    values = torch.tensor([[a, b, c]])
+    tokens = torch.tensor([[1, 3, 3]])
+    # sum-form (DeepSeekMath): A_t = sum of the steps ending at or after t
+    assert torch.allclose(step_credit(values, tokens, 6, "sum"), torch.tensor([[a + b + c, a + b + c, b + c, b + c,
+                                                                               0.0, 0.0]]))
+    # min-form (PURE): A_t = min of the steps ending at or after t; no later step -> 0
+    assert torch.allclose(step_credit(values, tokens, 6, "min"), torch.tensor([[b, b, b, b, 0.0, 0.0]]))
+    # NaN = no step: ignored; a row without steps is all zero
+    values = torch.tensor([[a, NAN], [NAN, NAN]])
+    tokens = torch.tensor([[2, 0], [0, 0]])
+    assert torch.allclose(step_credit(values, tokens, 3, "min"), torch.tensor([[a, a, a], [0.0, 0.0, 0.0]]))
+    assert torch.allclose(step_credit(values, tokens, 3, "sum"), torch.tensor([[a, a, a], [0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="step token indices"):
+        step_credit(torch.tensor([[1.0]]), torch.tensor([[3]]), 3)
+    with pytest.raises(ConfigError, match="process credit"):
+        step_credit(values, tokens, 3, "mean")
+
+
+def test_process_advantages_and_outcome_combination_by_hand():
+    # a group of 2: completion 0 has steps 1 (token 0) and 0 (token 2); completion 1 has one step 1 (token 1)
+    r = torch.tensor([[1.0, 0.0], [1.0, NAN]])
+    tokens = torch.tensor([[0, 2], [1, 0]])
+    mean, std = 2 / 3, math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
+    hi, lo = (1 - mean) / std, (0 - mean) / std
+    got = process_advantages(r, tokens, 2, 4, credit="sum", eps=0.0)
+    assert torch.allclose(got, torch.tensor([[hi + lo, lo, lo, 0.0], [hi, hi, 0.0, 0.0]]), atol=1e-5)
+    got_min = process_advantages(r, tokens, 2, 4, credit="min", eps=0.0)
+    assert torch.allclose(got_min, torch.tensor([[lo, lo, lo, 0.0], [hi, hi, 0.0, 0.0]]), atol=1e-5)
+    outcome = torch.tensor([0.7, -0.7])
+    both = outcome_plus_process(outcome, got)
+    assert both.shape == (2, 4) and torch.allclose(both, got + outcome.unsqueeze(1))
+
+
+def test_token_signal_counts_per_token_advantages():
+    mask = torch.ones(4, 3)
+    adv = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.3, 0.0], [0.0, 0.0, 0.0]])
+    assert has_token_signal(adv, mask, 2).tolist() == [False, True]
+    masked = mask.clone()
+    masked[2, 1] = 0  # the only signal sits on a token out of the loss
+    assert has_token_signal(adv, masked, 2).tolist() == [False, False]
+    assert has_token_signal(torch.tensor([0.0, 0.0, 1.0, -1.0]), mask, 2).tolist() == [False, True]  # (B,) too
+
+
+def test_adaptive_kl_controller_by_hand():
+    # beta' = beta (1 + clip(KL / target - 1, -0.2, 0.2) n / H)
+    assert adaptive_kl_beta(0.1, 0.011, 0.01, 10, 100) == pytest.approx(0.1 * (1 + 0.1 * 10 / 100))
+    assert adaptive_kl_beta(0.1, 0.05, 0.01, 10, 100) == pytest.approx(0.1 * (1 + 0.2 * 0.1))  # clipped at +0.2
+    assert adaptive_kl_beta(0.1, 0.0, 0.01, 10, 100) == pytest.approx(0.1 * (1 - 0.2 * 0.1))  # clipped at -0.2
+    assert adaptive_kl_beta(0.1, 0.01, 0.01, 10, 100) == pytest.approx(0.1)  # on target: unchanged
+    assert adaptive_kl_beta(0.1, 1.0, 0.01, 1000, 100, beta_max=0.2) == 0.2  # bounded
+    assert adaptive_kl_beta(0.1, 0.0, 0.01, 1000, 100, beta_min=0.01) == 0.01
+    with pytest.raises(ConfigError):
+        adaptive_kl_beta(0.1, 0.0, 0.0, 10, 100)
+
+
+def test_carried_groups_keep_token_advantages():
+    """cat_rows (dynamic sampling's carry, a stage's chunks) pads (rows, tokens) advantages with 0."""
+    a, b = torch.ones(2, 3), torch.full((1, 5), 2.0)
+    merged = cat_rows([a, b], "advantages", 0)
+    assert merged.shape == (3, 5) and merged[:2, 3:].eq(0).all() and merged[2].eq(2.0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Step reward values and step ends -> tokens
+# ------------------------------------------------------------------------------------------------
+def test_step_reward_shapes():
+    assert StepReward.from_pairs([(5, 1.0), (2, 0.0)]) == StepReward((2, 5), (0.0, 1.0))  # sorted by end
+    text = "a=1\nb=2\nso 3"
+    split = StepReward.split(text, [1.0, 0.0, 1.0], "\n")
+    assert split.ends == (4, 8, len(text)) and text[: split.ends[0]] == "a=1\n"
+    assert StepReward.split(text, [1.0], "\n").ends == (4,)
+    with pytest.raises(ValueError, match="at most one score"):
+        StepReward.split(text, [1.0] * 4, "\n")
+    assert coerce_step_reward([], text, None) == StepReward()  # no steps
+    assert coerce_step_reward([1.0, 0.0], text, "\n").ends == (4, 8)
+    with pytest.raises(ValueError, match="no step delimiter"):
+        coerce_step_reward([1.0, 0.0], text, None)
+    with pytest.raises(ValueError, match="got float"):
+        coerce_step_reward(1.0, text, None)
+    with pytest.raises(ValueError, match=">= 0"):
+        StepReward((-1,), (1.0,))
+    assert StepReward((1, 3), (1.0, 0.0)).summary == 0.5 and StepReward().summary is None
+
+
+def test_step_ends_map_to_tokens_mid_token_empty_and_cut():
+    # tokens decode to "ab" "c" "def": char ends 2, 3, 6
+    ends = [2, 3, 6]
+    assert step_token_indices([2, 3, 6], ends) == [0, 1, 2]  # steps ending exactly at token boundaries
+    assert step_token_indices([1, 4, 5], ends) == [0, 2, 2]  # mid-token: the token holding the step's last char
+    assert step_token_indices([0, 2, 2], ends) == [0, 0, 0]  # empty steps share the token before them
+    assert step_token_indices([3, 7, 9], ends) == [1, None, None]  # cut by the length limit: dropped
+    assert step_token_indices([5], ends, offset=3) == [0]  # 3 prefilled characters: step ends at char 2 -> token 0
+    assert step_token_indices([1], []) == [None]  # an empty completion has no step
+
+
+class _Chars:
+    """A tokenizer whose tokens decode to fixed strings (multi-character tokens)."""
+
+    pieces = {0: "ab", 1: "c", 2: "def", 3: "<eos>"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids if not (skip_special_tokens and i == 3))
+
+
+def test_token_char_ends_follow_the_decoding():
+    assert token_char_ends(_Chars(), [0, 1, 2, 3]) == [2, 3, 6, 6]  # a special token adds no character
+    assert token_char_ends(_Chars(), []) == []
+    lazy = PrefixCharEnds(_Chars(), [0, 1, 2, 3])  # what the trainer bisects: the same values, decoded on demand
+    assert [lazy[k] for k in range(len(lazy))] == [2, 3, 6, 6] and lazy.total == 6
+    assert step_token_indices([1, 4, 7], lazy) == step_token_indices([1, 4, 7], [2, 3, 6, 6]) == [0, 2, None]
+
+
+def test_toy_tokenizer_step_ends(toy_model_path):
+    """The toy tokenizer is one token per character: step j ending at char e maps to token e - 1."""
+    from transformers import AutoTokenizer
+
+    from grpo_variants.tasks.toy_reasoning import build_tokenizer, score_trace
+
+    tokenizer = build_tokenizer()
+    text = "7+5=12,12+9=21>21"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ends = token_char_ends(tokenizer, ids + [tokenizer.eos_token_id])
+    assert ends[:-1] == list(range(1, len(text) + 1)) and ends[-1] == len(text)
+    steps = score_trace([7, 5, 9], text)
+    tokens = step_token_indices([e for e, _ in steps], ends)
+    assert tokens == [6, 14, 16]  # the ",", the ">" and the last digit
+    assert [tokenizer.decode(ids[: t + 1]) for t in tokens] == ["7+5=12,", "7+5=12,12+9=21>", text]
+    AutoTokenizer.from_pretrained(toy_model_path)  # the kit's tokenizer loads (same vocabulary)
+
+
+@pytest.mark.slow
+def test_smollm2_bpe_step_ends_map_to_the_right_tokens():
+    """SmolLM2's byte-level BPE merges characters: a step ending mid-token maps to the token holding its last char."""
+    from transformers import AutoTokenizer
+
+    from grpo_variants.tasks.models import smollm2
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2(verbose=False)))
+    text = "First, 12 apples plus 7 is 19.\nThen 19 minus 4 is 15.\nSo the answer is \\boxed{15}. café"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) < len(text)  # real merges
+    ends = token_char_ends(tokenizer, ids)
+    assert ends[-1] == len(tokenizer.decode(ids)) == len(text)
+    step_ends = [text.index("\n") + 1, text.index("\n", 40) + 1, text.index("}") + 1, len(text) - 2, len(text)]
+    lazy = PrefixCharEnds(tokenizer, ids)
+    assert step_token_indices(step_ends, lazy) == step_token_indices(step_ends, ends)
+    assert len(lazy._cache) < len(ids) // 2  # bisection decodes a few prefixes, not every one
+    for end, token in zip(step_ends, step_token_indices(step_ends, ends), strict=True):
+        upto = tokenizer.decode(ids[: token + 1])
+        before = tokenizer.decode(ids[:token])
+        assert len(upto) >= end > len(before), (end, token, upto)  # the step's last character is in this token
+    assert step_token_indices([len(text) + 1], ends) == [None]  # past the end: dropped
+
+
+# ------------------------------------------------------------------------------------------------
+# Step rewards through RobustReward and the built-in verifiers
+# ------------------------------------------------------------------------------------------------
+@step_reward(delimiter=",")
+def comma_steps(prompts, completions, **kwargs):
+    return [[1.0] * (c.count(",") + 1) for c in completions]
+
+
+def test_robust_reward_returns_the_mean_to_trl_and_keeps_the_steps():
+    wrapped = RobustReward(comma_steps)
+    out = wrapped(prompts=["p", "p"], completions=["1,2", "3"])
+    assert out == [1.0, 1.0]
+    assert wrapped.last_steps == [StepReward((2, 3), (1.0, 1.0)), StepReward((1,), (1.0,))]
+
+    @step_reward
+    def bad(prompts, completions, **kwargs):
+        return [[(1, float("nan"))] for _ in completions]
+
+    with pytest.raises(RewardFunctionError, match="non-finite"):
+        RobustReward(bad)(prompts=["p"], completions=["x"])
+    assert RobustReward(bad, on_error="none")(prompts=["p"], completions=["x"]) == [None]
+
+    def undeclared(prompts, completions, **kwargs):
+        return [[(1, 1.0)] for _ in completions]
+
+    with pytest.raises(RewardFunctionError, match="@grpo_variants.step_reward"):
+        RobustReward(undeclared)(prompts=["p"], completions=["x"])
+
+    cached = RobustReward(comma_steps, cache_duplicates=True)
+    assert cached(prompts=["p"] * 3, completions=["1,2", "1,2", "3"]) == [1.0] * 3
+    assert cached.last_steps[0] == cached.last_steps[1] == StepReward((2, 3), (1.0, 1.0))
+
+
+def test_toy_chain_steps_scores_every_partial_sum():
+    from grpo_variants.tasks.toy_reasoning import audit_trace, toy_chain_steps
+
+    prompts = ["7+5+9="] * 4
+    completions = ["12,21>21", "13,21>21", ">21", "12,2"]
+    got = toy_chain_steps(prompts=prompts, completions=completions, answer=["21"] * 4)
+    assert got == [[(3, 1.0), (6, 1.0), (8, 1.0)], [(3, 0.0), (6, 1.0), (8, 1.0)], [(3, 1.0)], [(3, 1.0)]]
+    assert audit_trace([7, 5, 9], "13,21>21")["right_for_wrong_reason"]
+    assert not audit_trace([7, 5, 9], "12,21>21")["right_for_wrong_reason"]
+    assert RobustReward(toy_chain_steps).returns_steps
+
+
+def test_word_problem_steps_check_the_intermediate_quantity():
+    from grpo_variants.tasks import word_problems as wp
+
+    q = [{"role": "user", "content": "Mia buys 5 bags with 3 apples in each bag. She already had 4 apples."}]
+    got = wp.word_problem_steps(prompts=[q] * 3, completions=["5 x 3 = 15, then 15 + 4 = \\boxed{19}",
+                                                              "5*3=14 so \\boxed{18}", "no idea"],
+                                answer=["19", "18", "19"], intermediate=[15, 15, 15])
+    assert got == [[(10, 1.0), (36, 1.0)], [(6, 0.0), (20, 1.0)], [(7, 0.0)]]
+    ds = wp.make_dataset("train", 30)
+    for row in ds:
+        assert (row["intermediate"] >= 0) == (row["steps"] == 2)
+
+
+def test_model_prm_scores_each_step_prefix(toy_model_path):
+    """ModelStepReward on the toy model: one score per delimited step = P(good) / (P(good) + P(bad)) after it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_variants.rewards.prm import ModelStepReward
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_path)
+    prm = ModelStepReward(model, tokenizer, delimiter="=", good_token="1", bad_token="0")
+    out = prm(prompts=["12+3"], completions=["1=2=3"])
+    assert out[0].ends == (2, 4, 5) and all(0.0 < s < 1.0 for s in out[0].scores)
+    with torch.no_grad():
+        enc = tokenizer(["12+31=2="], return_tensors="pt")
+        last = model(**enc).logits[0, -1]
+    good, bad = tokenizer.encode("1", add_special_tokens=False)[0], tokenizer.encode("0", add_special_tokens=False)[0]
+    want = torch.softmax(torch.stack([last[good], last[bad]]), 0)[0].item()
+    assert out[0].scores[1] == pytest.approx(want, abs=1e-5)
+    assert RobustReward(prm).returns_steps
+
+
+# ------------------------------------------------------------------------------------------------
+# Training: every token-ratio variant, refusals, resume
+# ------------------------------------------------------------------------------------------------
+@step_reward
+def digit_steps(prompts, completions, answer, **kwargs):
+    """One step per character: 1 when it is the gold answer's character at that position."""
+    out = []
+    for c, gold in zip(completions, answer, strict=True):
+        text = toy._completion_text(c)
+        out.append([(j + 1, 1.0 if j < len(gold) and ch == gold[j] else 0.0) for j, ch in enumerate(text)])
+    return out
+
+
+TOKEN_RATIO = {
+    "grpo": {},
+    "dapo": {},
+    "dr_grpo": {},
+    "gspo_token": {},
+    "mu_grpo": dict(stage_prompts=8, updates_per_stage=4),
+    "fipo": {},
+    "igrpo": dict(num_drafts=3, num_generations=4, draft_template="{prompt}({draft}){prompt}"),
+}
+
+
+@pytest.mark.parametrize("name", list(TOKEN_RATIO))
+def test_every_token_ratio_variant_trains_with_a_step_reward(name, toy_model_path, small_train_dataset, make_args):
+    spec = get_variant(name)
+    args = make_args(spec.config_cls, max_steps=2, **TOKEN_RATIO[name])
+    trainer = spec.trainer_cls(model=toy_model_path, reward_funcs=["toy_accuracy", digit_steps], args=args,
+                               train_dataset=small_train_dataset)
+    shapes = []
+    inner = trainer._apply_process_advantages
+
+    def spy(output, outcome):
+        out = inner(output, outcome)
+        shapes.append((tuple(out["advantages"].shape), tuple(out["completion_ids"].shape)))
+        return out
+
+    trainer._apply_process_advantages = spy
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert shapes and all(adv == ids for adv, ids in shapes)  # (rows, tokens) advantages on every rollout
+    logs = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
+    assert all(math.isfinite(r["loss"]) for r in logs)
+    assert any("process/nonzero_advantage_fraction" in r for r in logs)
+
+
+def test_dynamic_sampling_keeps_groups_with_step_signal_only(toy_model_path, small_train_dataset, make_args):
+    """Equal outcomes (a constant outcome reward) but different step scores: the group has token signal."""
+    spec = get_variant("dapo")
+
+    def constant(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = spec.trainer_cls(model=toy_model_path, reward_funcs=[constant, digit_steps],
+                               args=make_args(spec.config_cls, max_steps=1, max_num_gen_batches=0),
+                               train_dataset=small_train_dataset)
+    trainer.train()
+    info = trainer.last_dynamic_sampling
+    assert info is not None and info.groups_kept >= info.groups_needed
+
+
+@pytest.mark.parametrize("name", ["gspo"])
+def test_sequence_level_gspo_refuses_step_rewards(name, toy_model_path, small_train_dataset, make_args):
+    spec = get_variant(name)
+    with pytest.raises(ConfigError, match="ratio_level='sequence'.*gspo_token"):
+        spec.trainer_cls(model=toy_model_path, reward_funcs=[digit_steps], args=make_args(spec.config_cls),
+                         train_dataset=small_train_dataset)
+
+
+def test_trl_losses_and_batch_std_dynamic_sampling_refuse_step_rewards(toy_model_path, small_train_dataset,
+                                                                       make_args):
+    with pytest.raises(ConfigError, match="TRL's own loss"):
+        GRPOVariantTrainer(model=toy_model_path, reward_funcs=[digit_steps], args=make_args(loss_type="cispo"),
+                           train_dataset=small_train_dataset)
+    with pytest.raises(ConfigError, match="scale_rewards='batch'"):
+        GRPOVariantTrainer(model=toy_model_path, reward_funcs=[digit_steps],
+                           args=make_args(dynamic_sampling=True, scale_rewards="batch"),
+                           train_dataset=small_train_dataset)
+
+
+def test_kl_target_needs_a_start_beta_and_a_composed_loss(tmp_path):
+    with pytest.raises(ConfigError, match="kl_target needs a start value"):
+        GRPOVariantConfig(output_dir=str(tmp_path), kl_target=0.01, beta=0.0)
+    with pytest.raises(ConfigError, match="cannot honour kl_target"):
+        GRPOVariantConfig(output_dir=str(tmp_path), kl_target=0.01, beta=0.04, loss_type="cispo")
+    with pytest.raises(ConfigError, match="kl_beta_min, kl_beta_max"):
+        GRPOVariantConfig(output_dir=str(tmp_path), kl_target=0.01, beta=20.0)
+    with pytest.raises(ConfigError, match="process_credit"):
+        GRPOVariantConfig(output_dir=str(tmp_path), process_credit="mean")
+
+
+@pytest.mark.parametrize("kl_in_reward", [False, True])
+def test_kl_target_moves_beta_and_logs_it_every_step(kl_in_reward, toy_model_path, small_train_dataset, make_args):
+    args = make_args(max_steps=3, beta=0.04, kl_target=1e-6, kl_horizon=16, kl_in_reward=kl_in_reward)
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=args,
+                                 train_dataset=small_train_dataset)
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
+    betas = [r["kl_ctl/beta"] for r in logs]
+    kls = [r["kl_ctl/kl"] for r in logs]
+    assert len(betas) == 3 and betas[0] == 0.04
+    # step 1 is on the reference policy (KL ~0 < target): e = -0.2, n / H = 16 / 16 -> beta x 0.8; afterwards the
+    # KL is far above the tiny target: e = +0.2 -> beta x 1.2 per step
+    assert kls[0] < 1e-7 and all(k > 1e-5 for k in kls[1:])  # (0 up to float noise of the two forward passes)
+    assert betas[1] == pytest.approx(0.04 * 0.8) and betas[2] == pytest.approx(0.04 * 0.8 * 1.2)
+    assert trainer.kl_beta == pytest.approx(0.04 * 0.8 * 1.2 * 1.2)
+
+
+def _resume_args(output_dir, **overrides):
+    values = dict(output_dir=str(output_dir), per_device_train_batch_size=16, num_generations=4,
+                  max_completion_length=6, max_steps=4, learning_rate=1e-4, logging_steps=1, save_strategy="steps",
+                  save_steps=2, steps_per_generation=2, report_to="none", seed=0, bf16=False,
+                  gradient_checkpointing=False, disable_tqdm=True, beta=0.04, kl_target=0.001, kl_horizon=32)
+    values.update(overrides)
+    return GRPOVariantConfig(**values)
+
+
+def test_resume_is_exact_with_a_step_reward_and_kl_target(toy_kit, tmp_path):
+    dataset = toy_kit.train_dataset.select(range(16))
+    rewards = ["toy_accuracy", digit_steps]
+    first = GRPOVariantTrainer(model=toy_kit.model_path, reward_funcs=rewards, args=_resume_args(tmp_path / "a"),
+                               train_dataset=dataset)
+    first.train()
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    second = GRPOVariantTrainer(model=toy_kit.model_path, reward_funcs=rewards, args=_resume_args(tmp_path / "b"),
+                                train_dataset=dataset)
+    second.train(resume_from_checkpoint=str(ckpt))
+    ref = [r for r in first.state.log_history if "loss" in r and "train_runtime" not in r]
+    res = [r for r in second.state.log_history if "loss" in r and "train_runtime" not in r]
+    assert [r["step"] for r in res] == [r["step"] for r in ref] == [1, 2, 3, 4]  # steps 1-2 from the checkpoint
+    from test_resume import _deterministic  # the log record without times and memory
+
+    for a, b in zip(ref, res):
+        assert _deterministic(a) == _deterministic(b), a["step"]
+    assert len({r["kl_ctl/beta"] for r in ref}) > 1  # beta moved, and the resumed run continued from the saved one
+    assert second.kl_beta == first.kl_beta
+    for (name, p), (_, q) in zip(first.model.named_parameters(), second.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_kl_target_warns_when_one_step_can_collapse_beta(toy_model_path, small_train_dataset, make_args, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="grpo_variants.process"):
+        GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
+                           args=make_args(beta=0.04, kl_target=0.01, kl_horizon=4))  # 0.2 x 16 / 4 = 80% per step
+    assert "change by up to 80%" in caplog.text and "kl_horizon >= 7" in caplog.text
