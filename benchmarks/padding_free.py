@@ -13,8 +13,8 @@ end-to-end step speed-up is ``(generation + reward + padded phase) / (generation
 with the rollout's measured generation + reward seconds: reported per repeat, with its range.
 
 Peak memory: a fresh subprocess per arm (and per ``--memory-repeats``) loads the model and the saved rollout,
-records its resident set size, runs the training phase once and reports the RSS high-water mark above that
-baseline (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the kernel's peak RSS; on CUDA
+resets the kernel's resident-set high-water mark (``/proc/self/clear_refs``), runs the training phase once
+and reports that high-water mark (``VmHWM``) above the resident set before the phase (on CUDA
 ``torch.cuda.max_memory_allocated`` instead). Tasks:
 
 * ``chain``: the toy chain task (``grpo_variants.tasks.toy_reasoning``, warm-started toy policy, completions of
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -123,13 +122,21 @@ def train_phase(trainer, batch: dict, padding_free: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _status_mb(field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (resident high-water mark) of this process, MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def memory_arm(task: str, batch_file: str, padding_free: bool) -> dict:
-    """In a fresh process: peak memory of one training phase above the loaded-model baseline."""
+    """In a fresh process: peak memory of one training phase above the loaded-model baseline.
+
+    The kernel's RSS high-water mark is reset (``/proc/self/clear_refs`` = 5) once the model and the batch are
+    loaded, so the peak is the training phase's own, not the loading's.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         trainer, _ = build_trainer(task, tmp)
         batch = torch.load(batch_file)
@@ -138,9 +145,11 @@ def memory_arm(task: str, batch_file: str, padding_free: bool) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated() / 2**20
-        base_rss = _rss_mb()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base_rss = _status_mb("VmRSS")
         train_phase(trainer, batch, padding_free)
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+        peak_rss = _status_mb("VmHWM")
         out = {"baseline_rss_mb": base_rss, "peak_rss_mb": peak_rss, "peak_above_baseline_mb": peak_rss - base_rss}
         if cuda:
             out.update(cuda_peak_above_baseline_mb=torch.cuda.max_memory_allocated() / 2**20 - base)
@@ -264,7 +273,7 @@ def main(argv=None) -> int:
     result = dict(created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch_threads=torch.get_num_threads(),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
                   memory_measure=("torch.cuda.max_memory_allocated above the loaded model" if torch.cuda.is_available()
-                                  else "peak RSS (ru_maxrss) above the loaded-model RSS"),
+                                  else "peak resident set (VmHWM, reset after loading) above the loaded-model RSS"),
                   load_start=round(os.getloadavg()[0], 2), options={k: v for k, v in vars(opts).items()
                                                                     if k in ("tasks", "repeats", "memory_repeats",
                                                                              "threads")},
