@@ -9,8 +9,9 @@ times:
 * the policy loss forward + backward of every micro-batch (``_compute_loss`` + ``backward``).
 
 Padding changes nothing else (generation, rewards and the optimizer step are identical by construction), so the
-end-to-end step speed-up is ``(generation + reward + padded phase) / (generation + reward + packed phase)``
-with the rollout's measured generation + reward seconds: reported per repeat, with its range.
+end-to-end step speed-up is ``(rest + padded phase) / (rest + packed phase)``, ``rest`` = the rollout's measured
+seconds outside log-prob forwards (generation, decoding, rewards, advantages) + one measured AdamW step;
+reported per repeat, with its range.
 
 Peak memory: a fresh subprocess per arm (and per ``--memory-repeats``) loads the model and the saved rollout,
 resets the kernel's resident-set high-water mark (``/proc/self/clear_refs``), runs the training phase once
@@ -22,7 +23,7 @@ and reports that high-water mark (``VmHWM``) above the resident set before the p
 * ``smollm2``: SmolLM2-135M-Instruct on ``word_problems`` with ``math_accuracy``, completion budget 160 tokens,
   temperature 1.0 (what the model writes: short boxed answers next to long explanations).
 
-    python benchmarks/padding_free.py                      # both tasks (about 15-25 min on a shared 2-core CPU)
+    python benchmarks/padding_free.py                      # both tasks (about 30 min on a shared 2-core CPU)
     python benchmarks/padding_free.py --tasks chain --repeats 2 --out /tmp/pf   # a quick look
 
 Writes benchmarks/results/padding_free.json and .md.
@@ -89,13 +90,15 @@ def build_trainer(task: str, output_dir: str, padding_free: bool = False):
 
 
 def rollout(trainer, dataset, task: str) -> tuple[dict, float]:
-    """One real rollout of the task's generation batch; (tensors, generation + reward seconds)."""
+    """One real rollout of the task's generation batch: (tensors, its seconds outside log-prob forward passes:
+    generation, decoding, rewards, advantages; the reference forward it runs is part of the training phase)."""
     spec = TASKS[task]
     rows = [dataset[i] for i in range(spec["prompts"]) for _ in range(spec["group"])]
     torch.manual_seed(0)
+    logprob_seconds = trainer._phase_time["logprobs"]
     start = time.perf_counter()
     out = trainer._generate_and_score_completions(rows)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start - (trainer._phase_time["logprobs"] - logprob_seconds)
     keep = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch")
     return {k: out[k].detach().cpu() for k in keep}, seconds
 
@@ -120,6 +123,24 @@ def train_phase(trainer, batch: dict, padding_free: bool) -> None:
         trainer._compute_loss(trainer.model, inputs).backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def optimizer_step_seconds(trainer) -> float:
+    """Seconds of one AdamW step over the trainable parameters (with gradients set), parameters restored after."""
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    optimizer.step()  # first step allocates the moments
+    start = time.perf_counter()
+    optimizer.step()
+    seconds = time.perf_counter() - start
+    with torch.no_grad():
+        for p, s in zip(params, saved, strict=True):
+            p.copy_(s)
+            p.grad = None
+    return seconds
 
 
 def _status_mb(field: str) -> float:
@@ -173,11 +194,13 @@ def run_task(task: str, opts, workdir: Path) -> dict:
     print(f"[padding_free {task}] rollout {rollout_seconds:.1f} s; completion lengths {lengths.min()}-{lengths.max()} "
           f"(mean {lengths.float().mean():.1f}), prompts {prompt_lengths.min()}-{prompt_lengths.max()}; "
           f"{real} real tokens of {padded_slots} padded slots", flush=True)
+    optimizer_seconds = optimizer_step_seconds(trainer)
     train_phase(trainer, batch, False)  # warm-up, both arms
     train_phase(trainer, batch, True)
     times = {False: [], True: []}
     cpu = {False: [], True: []}
-    for r in range(opts.repeats):
+    repeats = opts.repeats_smollm2 if task == "smollm2" else opts.repeats
+    for r in range(repeats):
         order = (False, True) if r % 2 == 0 else (True, False)
         for arm in order:
             start, c0 = time.perf_counter(), time.process_time()
@@ -198,7 +221,8 @@ def run_task(task: str, opts, workdir: Path) -> dict:
     mem = {arm: [m[key] for m in memory[arm]] for arm in memory}
     speedups = [p / q for p, q in zip(times[False], times[True], strict=True)]
     cpu_speedups = [p / q for p, q in zip(cpu[False], cpu[True], strict=True)]
-    e2e = [(rollout_seconds + p) / (rollout_seconds + q) for p, q in zip(times[False], times[True], strict=True)]
+    rest = rollout_seconds + optimizer_seconds  # the step outside the training-phase forwards: the same in both arms
+    e2e = [(rest + p) / (rest + q) for p, q in zip(times[False], times[True], strict=True)]
     mem_ratio = [q / p for p, q in zip(mem[False], mem[True], strict=True)]
     return {
         "task": task,
@@ -211,7 +235,8 @@ def run_task(task: str, opts, workdir: Path) -> dict:
         "prompt_length": {"min": int(prompt_lengths.min()), "max": int(prompt_lengths.max())},
         "real_tokens": real,
         "padded_slots": padded_slots,
-        "rollout_seconds": round(rollout_seconds, 2),
+        "rollout_seconds_outside_forwards": round(rollout_seconds, 2),
+        "optimizer_step_seconds": round(optimizer_seconds, 3),
         "train_phase_seconds": {"padded": _range(times[False]), "packed": _range(times[True])},
         "train_phase_cpu_seconds": {"padded": _range(cpu[False]), "packed": _range(cpu[True])},
         "peak_memory_mb": {"padded": _range(mem[False]), "packed": _range(mem[True]), "measure": key},
@@ -233,18 +258,20 @@ def write_markdown(path: Path, result: dict) -> None:
         f"{result['torch_threads']}, load average at start / end {result['load_start']} / {result['load_end']}; the "
         "machine was shared with other jobs). Same rollout tensors for both arms; training phase = reference + old "
         "log-probs (no grad) + loss forward/backward of every micro-batch; arms interleaved (ABBA), "
-        f"{result['options']['repeats']} repeats; medians with (min-max) over repeats. Peak memory: "
+        "repeats per task in the table; medians with (min-max) over repeats. Peak memory: "
         f"{result['memory_measure']}, {result['options']['memory_repeats']} fresh process(es) per arm. End-to-end: "
-        "(measured generation + reward + training phase), generation unchanged by construction.",
+        "the rollout's measured seconds outside the log-prob forwards (generation, rewards) + one measured AdamW "
+        "step + the training phase; generation is unchanged by construction. Wall seconds on a loaded machine "
+        "run 2-3x the CPU seconds: compare the CPU-s column too.",
         "",
-        "| task | completions (lengths) | real tokens / padded slots | train phase s padded | packed | "
+        "| task | repeats | completions (lengths) | real tokens / padded slots | train phase s padded | packed | "
         "train-phase speed-up | CPU-s speed-up | peak MB padded | packed | peak memory ratio | end-to-end speed-up |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["tasks"]:
         cl = r["completion_length"]
         lines.append(
-            f"| {r['label']} | {r['completions']} ({cl['min']}-{cl['max']}, mean {cl['mean']}; budget "
+            f"| {r['label']} | {r['train_phase_speedup']['n']} | {r['completions']} ({cl['min']}-{cl['max']}, mean {cl['mean']}; budget "
             f"{r['max_completion_length']}) | {r['real_tokens']} / {r['padded_slots']} | "
             f"{rng(r['train_phase_seconds']['padded'])} | {rng(r['train_phase_seconds']['packed'])} | "
             f"**{rng(r['train_phase_speedup'])}x** | {rng(r['train_phase_cpu_speedup'])}x | "
@@ -259,6 +286,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default="chain,smollm2")
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--repeats-smollm2", type=int, default=3, help="repeats on SmolLM2 (about 4 min each on CPU)")
     ap.add_argument("--memory-repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -275,7 +303,7 @@ def main(argv=None) -> int:
                   memory_measure=("torch.cuda.max_memory_allocated above the loaded model" if torch.cuda.is_available()
                                   else "peak resident set (VmHWM, reset after loading) above the loaded-model RSS"),
                   load_start=round(os.getloadavg()[0], 2), options={k: v for k, v in vars(opts).items()
-                                                                    if k in ("tasks", "repeats", "memory_repeats",
+                                                                    if k in ("tasks", "repeats", "repeats_smollm2", "memory_repeats",
                                                                              "threads")},
                   command="python benchmarks/padding_free.py" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
                   tasks=[])

