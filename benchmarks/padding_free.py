@@ -24,7 +24,7 @@ and reports that high-water mark (``VmHWM``) above the resident set before the p
   temperature 1.0 (what the model writes: short boxed answers next to long explanations).
 
     python benchmarks/padding_free.py                      # both tasks (about 30 min on a shared 2-core CPU)
-    python benchmarks/padding_free.py --tasks chain --repeats 2 --out /tmp/pf   # a quick look
+    python benchmarks/padding_free.py --quick              # pipeline check (chain task, 2 repeats, temp folder)
 
 Writes benchmarks/results/padding_free.json and .md.
 """
@@ -289,12 +289,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats-smollm2", type=int, default=3, help="repeats on SmolLM2 (about 4 min each on CPU)")
     ap.add_argument("--memory-repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --quick: a temporary one)")
+    ap.add_argument("--quick", action="store_true", help="pipeline check: chain task, 2 repeats, 1 memory run")
     ap.add_argument("--memory-arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--batch-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     torch.set_num_threads(opts.threads)
+    if opts.quick:
+        opts.tasks, opts.repeats, opts.memory_repeats = "chain", 2, 1
+        opts.out = opts.out or tempfile.mkdtemp(prefix="padding-free-quick-")
     if opts.memory_arm:
         print(json.dumps(memory_arm(opts.memory_arm, opts.batch_file, opts.packed)))
         return 0
