@@ -38,8 +38,7 @@ ORDER = [
 
 # results/<name>.md files shown in the README, in this order (others follow alphabetically)
 RESULTS_ORDER = ["overhead", "variants", "lab_comparison", "reasoning", "reasoning_grpo", "process_rewards", "dapo",
-                 "mu_grpo",
-                 "mu_grpo_mu20", "mu_grpo_real_speed", "code_reward", "gpu_check"]
+                 "mu_grpo", "mu_grpo_mu20", "mu_grpo_real_speed", "padding_free", "code_reward", "gpu_check"]
 RESULT_SOURCES = {
     "overhead": "overhead.py",
     "variants": "variants.py",
@@ -54,6 +53,7 @@ RESULT_SOURCES = {
     "mu_grpo": "mu_grpo_speedup.py",
     "mu_grpo_mu20": "mu_grpo_speedup.py",
     "mu_grpo_real_speed": "mu_grpo_real_speed.py",
+    "padding_free": "padding_free.py",
     "code_reward": "code_reward_throughput.py",
     "gpu_check": "gpu_check.py",
 }

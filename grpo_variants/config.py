@@ -286,6 +286,23 @@ class GRPOVariantConfig(GRPOConfig):
             "tools, continuous batching, a custom rollout_func)."
         },
     )
+    # ---- padding-free training forward (grpo_variants.rollout.packing; any variant) -----------------
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Pack each micro-batch's sequences (pads removed, position_ids restarting per sequence) for every "
+            "training-side forward (policy, reference, recomputed old log-probs) and run the LM head only at "
+            "completion positions. Same losses and gradients as the padded path (to float rounding). False: TRL's "
+            "padded forward. See docs/padding_free.md."
+        },
+    )
+    padding_free_max_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most tokens in one packed row (longer sequences get a row of their own). None: the longest "
+                    "sequence of the micro-batch, so attention never costs more than padded."
+        },
+    )
     # ---- console ---------------------------------------------------------------------------
     verbose: bool = field(
         default=False,
@@ -333,6 +350,11 @@ class GRPOVariantConfig(GRPOConfig):
         if stage_request is not None:
             derive_stage(self, stage_request)  # TRL's batch fields from the stage (grpo_variants.rollout.stages)
         check_adaptive_clip_composition(self)
+        budget = self.padding_free_max_tokens
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ConfigError(f"padding_free_max_tokens ({budget!r}) must be an integer >= 1 or None.")
+        if budget is not None and not self.padding_free:
+            raise ConfigError(f"padding_free_max_tokens={budget} only applies with padding_free=True: set both.")
 
     def _checkpointing_under_its_new_name(self) -> None:
         """transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns when only the old

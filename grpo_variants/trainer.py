@@ -46,6 +46,7 @@ from grpo_variants.process import AdaptiveKLMixin, ProcessSupervisionMixin
 from grpo_variants.rewards.columns import check_reward_columns
 from grpo_variants.rollout.batch import FORWARD_KEYS as _FORWARD_KEYS
 from grpo_variants.rollout.logprobs import SampledLogprobRecorder
+from grpo_variants.rollout.packed_forward import PaddingFreeMixin
 from grpo_variants.rollout.sampling import DynamicSamplingMixin
 from grpo_variants.rollout.stages import StageRolloutMixin
 from grpo_variants.validation import (  # noqa: F401  (re-exported: the checks were importable from here)
@@ -282,7 +283,7 @@ def model_card_section(args, spec, title: str, paper_id: str, setup: dict | None
 # The trainer
 # ------------------------------------------------------------------------------------------------
 class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervisionMixin, AdaptiveKLMixin,
-                         TrainerMetrics, GRPOTrainer):
+                         TrainerMetrics, PaddingFreeMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss is composed from :mod:`grpo_variants.losses` by the config.
 
     Drop-in for TRL's trainer: same constructor, same config fields (plus ours). Variants subclass
@@ -359,6 +360,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
             **kwargs,
         )
         self._check_stage_dataset()
+        self._check_padding_free()  # grpo_variants.rollout.packed_forward: refuse what packing cannot do
         self.loss_spec = self._build_loss_spec()
         self._check_dynamic_sampling_metric()
         self._record_rollout_logprobs = self._rollout_logprobs_supported()

@@ -243,6 +243,7 @@ def train_variant(name, model_path, dataset, output_dir, steps, num_processes, *
         "loss": _log_series(trainer, "loss"),
         "grad_norm": _log_series(trainer, "grad_norm"),
         "reward": _log_series(trainer, "reward"),
+        "padding_free_steps": len(_log_series(trainer, "padding_free/slot_ratio")),  # steps with a packed forward
         "num_processes": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "deepspeed": _deepspeed_engine(trainer) is not None,
@@ -257,6 +258,8 @@ def train_variant(name, model_path, dataset, output_dir, steps, num_processes, *
 CASES = {
     # generation on the partitioned model (no gather; every rank steps through generate in lock-step)
     "nogather": dict(ds3_gather_for_generation=False),
+    # padding-free packed training forward (tests/test_padding_free_zero3.py compares it with the padded reference)
+    "padfree": dict(padding_free=True),
 }
 
 
