@@ -440,3 +440,26 @@ def test_kl_target_warns_when_one_step_can_collapse_beta(toy_model_path, small_t
         GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
                            args=make_args(beta=0.04, kl_target=0.01, kl_horizon=4))  # 0.2 x 16 / 4 = 80% per step
     assert "change by up to 80%" in caplog.text and "kl_horizon >= 7" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo"])
+def test_step_rewards_with_padding_free_give_the_padded_loss(name, toy_model_path, small_train_dataset, make_args):
+    """Two features meeting: per-token advantages (process supervision) and the packed forward. The same rollout,
+    scored once, gives the same loss through the padded and the packed forward (packing changes no tensor the loss
+    reads, and the (rows, tokens) advantages pass through untouched)."""
+    import torch
+
+    spec = get_variant(name)
+    trainer = spec.trainer_cls(model=toy_model_path, reward_funcs=["toy_accuracy", digit_steps],
+                               args=make_args(spec.config_cls, max_steps=1, padding_free=True),
+                               train_dataset=small_train_dataset)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.eval()  # no dropout: the two forwards see the same function
+    inputs = trainer._generate_and_score_completions(batch)
+    assert inputs["advantages"].dim() == 2  # process supervision in force
+    with torch.no_grad():
+        packed = trainer._compute_loss(trainer.model, inputs)
+        assert trainer._metrics["train"]["padding_free/slot_ratio"]  # the packed forward ran
+        trainer.args.padding_free = False
+        padded = trainer._compute_loss(trainer.model, inputs)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
