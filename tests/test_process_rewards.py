@@ -459,7 +459,7 @@ def test_step_rewards_with_padding_free_give_the_padded_loss(name, toy_model_pat
     assert inputs["advantages"].dim() == 2  # process supervision in force
     with torch.no_grad():
         packed = trainer._compute_loss(trainer.model, inputs)
-        assert trainer._metrics["train"]["padding_free/slot_ratio"]  # the packed forward ran
+        assert trainer._metrics["eval"]["padding_free/slot_ratio"]  # the packed forward ran (model in eval mode)
         trainer.args.padding_free = False
         padded = trainer._compute_loss(trainer.model, inputs)
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
