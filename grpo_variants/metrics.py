@@ -174,6 +174,17 @@ class TrainerMetrics:
         if "is_low_clipped" in stats and "is_high_clipped" in stats:
             region = stats["is_low_clipped"] | stats["is_high_clipped"]
             metrics["clip_ratio/region_mean"].append(self._global_mean(region, mask))
+            # TRL's extremes over sequences: the least low-clipped and the most high-clipped sequence (NaN-aware)
+            from trl.trainer.utils import nanmax, nanmin
+
+            def seq_mean(x):
+                x = x.float()
+                return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+            metrics["clip_ratio/low_min"].append(
+                nanmin(self.accelerator.gather(seq_mean(stats["is_low_clipped"]))).item())
+            metrics["clip_ratio/high_max"].append(
+                nanmax(self.accelerator.gather(seq_mean(stats["is_high_clipped"]))).item())
         if "kl" in stats:
             metrics["kl"].append(self._global_mean(stats["kl"], mask))
         if self.loss_spec.veto_scope is not None:

@@ -38,7 +38,7 @@ from trl import GRPOConfig, GRPOTrainer
 from grpo_variants.rollout.adaptive_clip import adapted_loss_spec
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
-from grpo_variants.rollout.loader import RepeatedFetchCache, RowBatch
+from grpo_variants.rollout.loader import RepeatedFetchCache, RowBatch, collate_rows
 from grpo_variants.losses import LossSpec, compute_policy_loss
 from grpo_variants.metrics import TOKEN_FATES, TrainerMetrics
 from grpo_variants.rewards.columns import check_reward_columns
@@ -177,6 +177,16 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
     config_class = GRPOVariantConfig
     variant_name: str | None = None
 
+    # Defaults of the per-run state `__init__` sets, so that TRL's methods we extend (`_generate`, the
+    # reward and log-prob hooks) also work on a trainer built without it (TRL's tests use object.__new__).
+    _record_rollout_logprobs = False
+    _rollout_logps = None
+    _rollout_logps_expected = False
+    _in_rollout = False
+    _tokens_generated_round = 0
+    _completions_generated_total = 0
+    _last_rewards_per_func = None
+
     def __init__(
         self,
         model,
@@ -196,13 +206,16 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         model = resolve_model(model)  # a registered name ("smollm2") -> its prepared folder
         args = self._coerce_args(args, model)
         check_model_path(model)
-        check_dataset(train_dataset, "train_dataset")
-        check_dataset(eval_dataset, "eval_dataset")
-        reward_funcs = resolve_reward_funcs(reward_funcs)
+        # An environment may own the data and the reward (TRL 1.16): then TRL's own checks decide.
+        environment = kwargs.get("environment_factory") is not None
+        check_dataset(train_dataset, "train_dataset", environment=environment)
+        check_dataset(eval_dataset, "eval_dataset", environment=environment)
+        reward_funcs = resolve_reward_funcs(reward_funcs, environment=environment)
         if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
-            raise ConfigError(
-                f"reward_weights has {len(args.reward_weights)} values but there are {len(reward_funcs)} reward "
-                f"functions ({[getattr(f, '__name__', f) for f in reward_funcs]}): give one weight per function."
+            raise ConfigError(  # TRL's message, then which functions
+                f"Number of reward weights ({len(args.reward_weights)}) must match number of reward functions "
+                f"({len(reward_funcs)}): {[getattr(f, '__name__', f) for f in reward_funcs]}; give one weight per "
+                "function."
             )
         self._check_args(args)
         check_prompts_per_round(train_dataset, args)
@@ -448,7 +461,10 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         try:
             yield
         finally:
-            self._phase_time[phase] += time.perf_counter() - start
+            times = self.__dict__.get("_phase_time")
+            if times is None:  # a trainer built without __init__ (see the class attributes)
+                times = self._phase_time = {"generation": 0.0, "reward": 0.0, "logprobs": 0.0, "rollout": 0.0}
+            times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
 
     # ---- behaviour log-probs recorded during generation (grpo_variants.rollout.logprobs) ---------
     def _rollout_logprobs_supported(self) -> bool:
@@ -510,7 +526,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         local = sum(len(ids) for ids in completion_ids)
         total = int(self.accelerator.gather(torch.tensor([local], device=self.accelerator.device)).sum().item())
         self._tokens_generated_round += total
-        self._completions_generated_total += len(completion_ids) * self.accelerator.num_processes
+        self._completions_generated_total += len(completion_ids) * getattr(self.accelerator, "num_processes", 1)
         return result
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -647,7 +663,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             return super().get_train_dataloader()
         dataset, collator = self.train_dataset, self.data_collator
-        self.train_dataset, self.data_collator = RepeatedFetchCache(dataset), functools.partial(RowBatch, collator)
+        self.train_dataset, self.data_collator = RepeatedFetchCache(dataset), functools.partial(collate_rows, collator)
         try:
             return super().get_train_dataloader()
         finally:
@@ -655,7 +671,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
 
     def _prepare_inputs(self, generation_batch):
         if isinstance(generation_batch, RowBatch):
-            rows = generation_batch.rows
+            rows = list(generation_batch)
             generate_every = self.args.steps_per_generation * self.num_iterations
             if self._step % generate_every == 0 or self._buffered_inputs is None:  # TRL's condition to generate
                 rows = send_to_device(rows, self.accelerator.device)
@@ -787,7 +803,14 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         if self.args.entropy_coef != 0.0:  # static entropy bonus, TRL's definition (mean over acting tokens)
             acting = mask if entropy_mask is None else mask * entropy_mask
             entropy_term = (entropies * acting).sum() / acting.sum().clamp(min=1.0) / accumulation
-            loss = loss - self.args.entropy_coef * entropy_term
+            coef = getattr(self, "entropy_coef", self.args.entropy_coef)
+            loss = loss - coef * entropy_term
+            # TRL's metrics of the entropy bonus: the policy term before the bonus (TRL's `policy_loss`: per
+            # micro-batch before the accumulation divisor, except for token-normalised losses), and the coefficient
+            policy_loss = out.loss.detach()
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(coef)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
