@@ -260,6 +260,9 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         announcement = self.args.announce_defaults() if hasattr(self.args, "announce_defaults") else None
         if announcement and self.accelerator.is_main_process:
             logger.warning(announcement)
+        if self.accelerator.is_main_process and hasattr(self.args, "loss_composition_notes"):
+            for note in self.args.loss_composition_notes():
+                logger.warning(note)
         if torch.cuda.is_available():  # model FLOPs utilisation (throughput/mfu); never logged on CPU
             from grpo_variants.callbacks import MFUCallback
 
@@ -693,9 +696,10 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         of the rollout's buffer (TRL serves buffer slot ``step % steps_per_generation``); the local counts are
         summed over processes in one reduce.
         When ``steps_per_generation`` is not a multiple of ``gradient_accumulation_steps`` an update straddles two
-        rollouts and TRL's rollout-average normaliser is kept.
+        rollouts: refused with an explicit ``aggregation="token_mean"``; with ``loss_type="dapo"`` alone TRL's
+        rollout-average normaliser is kept and announced (``GRPOVariantConfig.loss_composition_notes``).
         """
-        if self.args.aggregation != "token_mean" or self.loss_spec is None:
+        if self.args.resolved_aggregation != "token_mean" or self.loss_spec is None:  # explicit or loss_type="dapo"
             return
         spg, ga = self.args.steps_per_generation, self.args.gradient_accumulation_steps
         if spg % ga != 0 or len(self._buffered_inputs) != spg:
