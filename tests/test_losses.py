@@ -343,7 +343,7 @@ VADV = [-1.0, -0.5, 1.0, -1.0]
 VMASK = [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
 EXPECTED_KEEP = {
     "T": [[0, 1, 1, 0, 1], [1, 1, 1, 0, 1], [1] * 5, [1] * 5],
-    "S_kappa": [[0, 0, 0, 0, 0], [1, 1, 1, 0, 1], [1] * 5, [1] * 5],
+    "S_kappa": [[1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1] * 5, [1] * 5],  # after kappa: kappa itself kept
     "H_kappa": [[1, 0, 0, 1, 0], [1, 1, 1, 1, 1], [1] * 5, [1] * 5],
     "S_seq": [[0, 0, 0, 0, 0], [0, 0, 0, 0, 1], [1] * 5, [1] * 5],
 }
@@ -380,7 +380,10 @@ def test_veto_scope_relations_and_registry():
     drop = {s: (veto_keep_mask(trig, mask, s) == 0) for s in VETO_SCOPES}
     assert torch.equal(drop["T"], trig)
     assert torch.equal(drop["H_kappa"], drop["S_kappa"] & ~trig)  # H = S_kappa \ T
-    assert not (drop["T"] & ~drop["S_kappa"]).any() and not (drop["S_kappa"] & ~drop["S_seq"]).any()
+    assert not (drop["S_kappa"] & ~drop["S_seq"]).any()
+    kappa = torch.where(trig, torch.arange(9), torch.full((6, 9), 9)).min(-1, keepdim=True).values
+    assert torch.equal(drop["S_kappa"], (torch.arange(9) > kappa) & (mask > 0))  # exclusive of kappa
+    assert not (drop["S_kappa"] & (torch.arange(9) == kappa)).any()
     assert set(VETO_SCOPES) == {"T", "S_kappa", "H_kappa", "S_seq"}
     with pytest.raises(UnknownLossError, match="T.*S_kappa.*H_kappa.*S_seq"):
         veto_keep_mask(trig, mask, "prefix")
