@@ -13,7 +13,8 @@ update, dropped groups and drafts included) with the running token totals, and t
 (:meth:`TrainerMetrics.token_ledger`: ``token_fate/<fate>``, cumulative fractions of generated tokens, and
 ``tokens/signal_fraction``, generated tokens that reached an update with non-zero advantage). Per rollout
 (``_on_rollout_done``): ``time/{generation,reward,logprobs,rollout}_s``,
-``throughput/generated_tokens_per_s``, ``tokens/{generated,kept_fraction}``. Per reward call
+``throughput/generated_tokens_per_s``, ``tokens/{generated,kept_fraction}`` (the share of this rollout's
+generated tokens that is trained, now or as groups carried to the next batch). Per reward call
 (``_log_reward_health``): ``rewards/<name>/{error_rate,timeout_rate,nan_rate,cache_hit_rate,time_s}``.
 """
 
@@ -70,10 +71,23 @@ class TrainerMetrics:
 
     def _on_rollout_done(self) -> None:
         """Bookkeeping after each training rollout: counters, kept fraction, phase timings."""
-        kept = sum(int(b["generated_mask"].sum().item()) for b in self._buffered_inputs)
-        kept = int(self.accelerator.gather(torch.tensor([kept], device=self.accelerator.device)).sum().item())
+        # Kept tokens are credited to the rollout that generated them: this buffer's own rows (not the groups carried
+        # in from the previous rollout) plus the surplus this rollout carries out to the next one.
+        def own(batch):
+            mask = batch["generated_mask"]
+            carried = batch.get("carried_rows")
+            return mask.sum() if carried is None else (mask * (1 - carried.to(mask.device).view(-1, 1))).sum()
+
+        local = torch.tensor([[float(own(b)), float(b["generated_mask"].sum())] for b in self._buffered_inputs])
+        kept, trained = self.accelerator.gather(local.sum(0, keepdim=True).to(self.accelerator.device)).sum(0).tolist()
+        carried_out = getattr(self, "_ds_carried", None)
+        if carried_out is not None and "generated_mask" in carried_out:
+            kept += float(carried_out["generated_mask"].sum())
         generated = max(self._tokens_generated_round, 1)
         self._kept_fraction = min(kept / generated, 1.0)
+        # trained tokens of this buffer (carried-in rows included) per token generated this round: the factor that
+        # turns the useful share of trained tokens into useful tokens per generated token (useful_token_fraction)
+        self._trained_per_generated = trained / generated
         self._tokens_generated_total += self._tokens_generated_round
         self._generation_rounds_total += 1
         metrics = self._metrics["train"]
@@ -204,7 +218,8 @@ class TrainerMetrics:
             totals = self.accelerator.reduce(totals, reduction="sum")
             useful, produced = totals.tolist()
             self._tokens_useful_total += int(useful)
-            metrics["useful_token_fraction"].append(useful / max(produced, 1.0) * self._kept_fraction)
+            factor = getattr(self, "_trained_per_generated", self._kept_fraction)
+            metrics["useful_token_fraction"].append(useful / max(produced, 1.0) * factor)
             self._count_token_fates(stats, mask, inputs)
             generated_total = max(self._tokens_generated_total, 1)
             ledger = self._token_ledger

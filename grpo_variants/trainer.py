@@ -384,6 +384,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
             "generation_rounds_total": self._generation_rounds_total,
             "completions_generated_total": self._completions_generated_total,
             "kept_fraction": self._kept_fraction,
+            "trained_per_generated": getattr(self, "_trained_per_generated", self._kept_fraction),
             "token_ledger": dict(self._token_ledger),
             **self._dynamic_sampling_state(),
             **self._stage_state(),
@@ -396,6 +397,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         self._generation_rounds_total = state.get("generation_rounds_total", 0)
         self._completions_generated_total = state.get("completions_generated_total", 0)
         self._kept_fraction = state.get("kept_fraction", 1.0)
+        self._trained_per_generated = state.get("trained_per_generated", self._kept_fraction)
         self._token_ledger = {**dict.fromkeys(TOKEN_FATES, 0), **state.get("token_ledger", {})}
         self._load_dynamic_sampling_state(state)
         self._load_stage_state(state)
@@ -608,8 +610,10 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
     def _zero_constant_group_advantages(self, output) -> None:
         """Exactly zero advantage for every member of a group whose weighted rewards have zero std.
 
-        "Zero std" is TRL's own test for ``frac_reward_zero_std``: ``torch.isclose(std, 0)``. Applies
-        to the group-wise advantages (``scale_rewards`` group / none / batch with ``sum_then_normalize``).
+        "Zero std" is TRL's own test for ``frac_reward_zero_std`` (``torch.isclose(std, 0)``) or exactly
+        equal rewards (:func:`grpo_variants.losses.zero_std_groups`); TRL's ``frac_reward_zero_std`` of this
+        rollout is replaced by the fraction of rows zeroed here. Applies to the group-wise advantages
+        (``scale_rewards`` group / none / batch with ``sum_then_normalize``).
         """
         if self.multi_objective_aggregation != "sum_then_normalize" or self._last_rewards_per_func is None:
             return
@@ -621,6 +625,9 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
         if group is None or group < 2 or rewards.numel() % group != 0:
             return
         constant = zero_std_groups(rewards, group).repeat_interleave(group)
+        logged = self._metrics[mode].get("frac_reward_zero_std")
+        if logged:  # TRL's metric, on the rows whose advantage is zeroed here (TRL's isclose misses 0.7 x G)
+            logged[-1] = constant.float().mean().item()
         local = output["advantages"].size(0)
         start = self.accelerator.process_index * local
         constant = constant[start : start + local].to(output["advantages"].device)
