@@ -218,6 +218,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
                 "function."
             )
         self._check_args(args)
+        self._check_custom_rollouts(args, kwargs)
         check_prompts_per_round(train_dataset, args)
         self._init_dynamic_sampling(args, train_dataset)
         self._init_stages()
@@ -319,6 +320,21 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, TrainerMetrics
                     f"variant {self.variant_name!r} does not support use_adaptive_entropy=True (TRL's adaptive "
                     "entropy controller); use a static entropy_coef or set it to False."
                 )
+
+    @staticmethod
+    def _check_custom_rollouts(args, kwargs) -> None:
+        """TRL's multi-turn and custom rollouts (``tools``, ``environment_factory``, ``rollout_func``) run inside
+        TRL's rollout; our loops over it (dynamic sampling's re-sampling, a stage's chunked rollout) are not tested
+        with them (environment state per rollout, tool masks of carried groups): refused, not guessed."""
+        custom = [name for name in ("tools", "environment_factory", "rollout_func") if kwargs.get(name)]
+        loops = [name for name, on in (("dynamic_sampling=True", args.dynamic_sampling),
+                                       (f"stage_prompts={getattr(args, 'stage_prompts', None)}",
+                                        getattr(args, "stage_prompts", None) is not None)) if on]
+        if custom and loops:
+            raise ConfigError(
+                f"{' and '.join(custom)} with {' and '.join(loops)}: TRL's tool / environment / custom rollouts are "
+                "supported with TRL's rollout only (no dynamic sampling, no stage rollout). Remove one of them."
+            )
 
     @classmethod
     def _overrides_rollout(cls) -> bool:

@@ -184,3 +184,71 @@ def test_token_mean_with_an_update_across_two_rollouts(tmp_path):
     args = GRPOVariantConfig(**common, loss_type="dapo")  # TRL's rollout-average normaliser, announced
     (note,) = args.loss_composition_notes()
     assert "straddles two rollouts" in note and "rollout-average" in note
+
+
+# ---- TRL features that meet our components ------------------------------------------------------------------
+def test_off_policy_mask_in_a_stage_is_taken_against_each_rows_generation_logprobs(toy_model_path, small_train_dataset,
+                                                                                  make_args):
+    """The rule (docs/trl-users.md): TRL's off-policy mask compares the current policy with the log-probs the row
+    was sampled with (vLLM's when it gave them, else the behaviour log-probs stored at generation), so a stage row
+    or a carried group is judged on its whole drift since it was generated, not since the last update."""
+    args = make_args(GRPOVariantConfig, max_steps=4, off_policy_mask_threshold=0.5, stage_prompts=8,
+                     updates_per_stage=4, reward_cache=False)
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs=position_reward, args=args,
+                                 train_dataset=small_train_dataset)
+    seen, at_loss = [], []
+    mask_fn, compute_loss = trainer.get_off_policy_mask, trainer._compute_loss
+
+    def get_off_policy_mask(advantages, per_token_logps, sampling_logps, mask, threshold):
+        seen.append((per_token_logps.detach().clone(), sampling_logps))
+        return mask_fn(advantages, per_token_logps, sampling_logps, mask, threshold)
+
+    def _compute_loss(model, inputs):
+        at_loss.append(inputs["old_per_token_logps"])
+        return compute_loss(model, inputs)
+
+    trainer.get_off_policy_mask, trainer._compute_loss = get_off_policy_mask, _compute_loss
+    trainer.train()
+    assert len(seen) == len(at_loss) == 4  # one stage, µ = 4 updates
+    for (_, sampling), old in zip(seen, at_loss, strict=True):
+        assert sampling is old  # the row's stored generation-time log-probs
+    current, sampling = seen[-1]
+    assert (current - sampling).abs().max() > 0  # after 3 updates the policy has drifted from the stored ones
+
+
+@pytest.mark.parametrize("feature", ["tools", "rollout_func"])
+@pytest.mark.parametrize("loop", [dict(dynamic_sampling=True), dict(stage_prompts=8, updates_per_stage=4)])
+def test_custom_rollouts_with_our_rollout_loops_are_refused(feature, loop, toy_model_path, small_train_dataset,
+                                                            make_args):
+    def multiply(a: int, b: int) -> int:
+        """Multiplies.
+
+        Args:
+            a: first.
+            b: second.
+        """
+        return a * b
+
+    value = [multiply] if feature == "tools" else (lambda prompts, trainer: None)
+    with pytest.raises(ConfigError, match=f"{feature} with .*supported with TRL's rollout only"):
+        GRPOVariantTrainer(model=toy_model_path, reward_funcs=position_reward, args=make_args(**loop),
+                           train_dataset=small_train_dataset, **{feature: value})
+
+
+def test_async_reward_trains_with_its_values(toy_model_path, small_train_dataset, make_args):
+    import asyncio
+
+    calls = []
+
+    async def async_position(prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        calls.append(len(completions))
+        return [i / len(completions) for i in range(len(completions))]
+
+    args = make_args(max_steps=1, logging_steps=1, reward_cache=False)
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs=async_position, args=args,
+                                 train_dataset=small_train_dataset)
+    trainer.train()
+    assert calls == [16]
+    record = next(r for r in trainer.state.log_history if "reward" in r)
+    assert record["reward"] == pytest.approx(sum(i / 16 for i in range(16)) / 16)
