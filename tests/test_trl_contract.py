@@ -252,3 +252,39 @@ def test_async_reward_trains_with_its_values(toy_model_path, small_train_dataset
     assert calls == [16]
     record = next(r for r in trainer.state.log_history if "reward" in r)
     assert record["reward"] == pytest.approx(sum(i / 16 for i in range(16)) / 16)
+
+
+# ---- the GRPOConfig field table in docs/trl-users.md ------------------------------------------------------------
+def test_the_committed_field_table_is_the_generated_one():
+    from pathlib import Path
+
+    from grpo_variants.trl_contract import BEGIN, END, config_table
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "trl-users.md").read_text()
+    committed = doc[doc.index(BEGIN): doc.index(END) + len(END)]
+    assert committed == config_table(), "regenerate: python -m grpo_variants.trl_contract --write docs/trl-users.md"
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    for f in fields(GRPOConfig):
+        if f.init:
+            assert f"| `{f.name}` |" in committed
+
+
+@pytest.mark.parametrize("index", range(len(__import__("grpo_variants.trl_contract").trl_contract.REFUSALS)))
+def test_every_listed_refusal_raises_its_error(index, tmp_path):
+    from grpo_variants.trl_contract import REFUSALS
+
+    refusal = REFUSALS[index]
+    if not refusal.config:  # checked by the trainer, not the config
+        from grpo_variants.trainer import GRPOVariantTrainer as T
+
+        args = GRPOVariantConfig(output_dir=str(tmp_path), report_to="none", beta=0.04, kl_in_reward=True,
+                                 multi_objective_aggregation="normalize_then_sum")
+        with pytest.raises(ConfigError, match=refusal.error):
+            T._check_args(T.__new__(T), args)
+        return
+    cls = GRPOVariantConfig if refusal.config == "GRPOVariantConfig" else get_variant(refusal.config).config_cls
+    with pytest.raises(ConfigError, match=refusal.error.replace("(", r"\(").replace(")", r"\)")):
+        cls(output_dir=str(tmp_path), report_to="none", **refusal.example)
