@@ -36,6 +36,32 @@ if ARM not in ("ours", "stock"):
     raise ValueError(f"GRPO_VARIANTS_TRL_COMPAT={ARM!r}: use 'ours' (default) or 'stock'.")
 
 HERE = Path(__file__).resolve().parent
+
+# Tests that fail on stock TRL 1.16 too (measured with GRPO_VARIANTS_TRL_COMPAT=stock): version gaps between this
+# test file and the installed TRL. Marked xfail (not strict) with the reason; README.md lists them.
+STOCK_FAILURES = {
+    "test_generate_prefers_rollout_func": "TRL 1.16's _generate reads self.eos_token_ids, which the test's "
+                                          "object.__new__ trainer does not set (AttributeError on stock too)",
+    "test_generate_rollout_func_syncs_vllm_weights_when_needed": "same: TRL 1.16's _generate reads eos_token_ids",
+    "test_entropy_bonus_flows_gradients": "TRL 1.16's fused LM head returns entropies with grad even with the bonus "
+                                          "off (the test expects them detached)",
+    "test_liger_kernel_with_peft_non_lm_head_target_allowed": "without liger-kernel, transformers 5 raises the "
+                                                              "ImportError in train(), not at construction",
+    "test_liger_kernel_with_peft_modules_to_save_lm_head_allowed": "same: the ImportError comes from train()",
+}
+# The default run: TRL's unit tests, its construction-time checks, and one training test per area the
+# compatibility work touched (plain training, entropy bonus and its metrics, environments). A TRL training test
+# trains 51 steps (3 epochs of the 17 zen prompts) of a bf16 model on CPU: minutes each on a shared 2-core machine,
+# so the whole file (~130 runnable tests) runs only with GRPO_VARIANTS_TRL_COMPAT_ALL=1.
+DEFAULT_SUBSET = (
+    "TestGetHighEntropyMask::", "TestGRPORolloutDispatch::", "TestTransformersContinuousBatchingContract::",
+    "::test_init_minimal", "::test_train[trl-internal-testing/tiny-Qwen2ForCausalLM-2.5]",
+    "::test_no_reward_source_raises", "::test_dataset_required_without_environment",
+    "::test_environment_owned_data_requires_max_steps", "::test_multiple_environments_without_dataset_raises",
+    "::test_train_with_environment_factory", "::test_train_with_static_entropy", "::test_entropy_bonus_scale[",
+    "::test_entropy_bonus_flows_gradients", "::test_liger_kernel_with_peft",
+)
+RUN_ALL = os.environ.get("GRPO_VARIANTS_TRL_COMPAT_ALL", "0").lower() in ("1", "true", "yes")
 _HUB_ID = re.compile(r"""["'](trl-internal-testing/[\w.-]+|Qwen/[\w.-]+|HuggingFaceTB/[\w.-]+|kernels-community/[\w.-]+)["']""")
 _LOCAL = {f"{standins.ORG}/{name}" for name in standins.MODELS} | {f"{standins.ORG}/zen"}
 _VLM = ("VLForConditionalGeneration", "VLMForConditionalGeneration", "LlavaForConditionalGeneration",
@@ -61,6 +87,14 @@ def pytest_collection_modifyitems(config, items):
         if HERE not in Path(str(item.fspath)).resolve().parents:
             continue
         item.add_marker(pytest.mark.slow)
+        name = item.nodeid.split("::")[-1].split("[")[0]
+        if name in STOCK_FAILURES:
+            item.add_marker(pytest.mark.xfail(reason=f"fails on stock TRL 1.16 too: {STOCK_FAILURES[name]}",
+                                              strict=False))
+        if not RUN_ALL and not any(part in item.nodeid for part in DEFAULT_SUBSET):
+            item.add_marker(pytest.mark.skip(reason="not in the default subset: GRPO_VARIANTS_TRL_COMPAT_ALL=1 runs "
+                                                    "every test (minutes of CPU per training test)"))
+            continue
         missing = sorted(_hub_ids(item) - _LOCAL)
         if not missing:
             continue
