@@ -486,7 +486,8 @@ class GRPOVariantConfig(GRPOConfig):
         if lt not in TRL_LOSS_TYPE_TO_AGGREGATION and (self.aggregation is not None or self.variant is not None):
             raise ConfigError(
                 f"loss_type={lt!r} is a TRL loss this package does not compose, and {who} composes its own "
-                f"(PPO-clip) loss, which would train instead of it. Use loss_type in {list(cls.composable_loss_types())}"
+                f"(PPO-clip) loss, which cannot honour it (ours would train instead). Use loss_type in "
+                f"{list(cls.composable_loss_types())}"
                 f" with {cls.__name__}, or GRPOVariantConfig(loss_type={lt!r}) with aggregation=None to run TRL's own "
                 f"{lt} loss exactly."
             )
