@@ -32,6 +32,8 @@ TRL_LOSS_TYPE_TO_AGGREGATION = {
     "dr_grpo": "constant",
     "dapo": "token_mean",
 }
+# Every TRL 1.16 loss_type (GRPOConfig's help). Those not in TRL_LOSS_TYPE_TO_AGGREGATION run TRL's own loss.
+TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # TRL scale_rewards -> our advantage estimator name
 SCALE_REWARDS_TO_ADVANTAGE = {"group": "group_std", "none": "group_mean", "batch": "batch_std"}
 ADVANTAGE_TO_SCALE_REWARDS = {v: k for k, v in SCALE_REWARDS_TO_ADVANTAGE.items()}
@@ -495,6 +497,7 @@ class GRPOVariantConfig(GRPOConfig):
             raise ConfigError("kl_in_reward=True needs beta > 0 (the KL coefficient subtracted from the reward).")
         self._validate_process_and_kl_fields()
         self._validate_dynamic_sampling_fields()
+        self._check_loss_type()
         self._refuse_unhonoured_options()
 
     def _validate_process_and_kl_fields(self) -> None:
@@ -558,6 +561,86 @@ class GRPOVariantConfig(GRPOConfig):
                 "dynamic_sampling_filter='band' with the band [0, 1] keeps every group: set "
                 "dynamic_sampling_band_low / dynamic_sampling_band_high (e.g. 0.1 and 0.9)."
             )
+
+    @classmethod
+    def composable_loss_types(cls) -> tuple[str, ...]:
+        """The TRL ``loss_type`` values this config class trains exactly (any other is refused at construction).
+
+        A config whose ``aggregation`` default is None follows ``loss_type``: the base config runs every TRL loss
+        type (grpo, bnpo, dr_grpo, dapo composed, the others by TRL's own loss), a variant config the four composed
+        ones. A config that fixes its aggregation composes with the loss types that imply that aggregation.
+        """
+        aggregation = cls.__dataclass_fields__["aggregation"].default
+        if aggregation is None:
+            return TRL_LOSS_TYPES if cls.__dataclass_fields__["variant"].default is None \
+                else tuple(TRL_LOSS_TYPE_TO_AGGREGATION)
+        return tuple(t for t, a in TRL_LOSS_TYPE_TO_AGGREGATION.items() if a == aggregation)
+
+    def _check_loss_type(self) -> None:
+        """Refuse a ``loss_type`` that this config would not train exactly (never a silent replacement).
+
+        * a TRL loss we do not compose (cispo, sapo, luspo, vespo) with a variant or an explicit ``aggregation``:
+          our composed PPO-clip loss would run instead of it;
+        * a composed loss type changed from the config's default while ``aggregation`` implies another
+          normalisation: one of the two would be silently ignored;
+        * ``aggregation="token_mean"`` (per update) set explicitly when ``steps_per_generation`` is not a
+          multiple of ``gradient_accumulation_steps``: an update then straddles two rollouts.
+        """
+        lt, cls = self.loss_type, type(self)
+        who = f"variant {self.variant!r}" if self.variant is not None else "aggregation=" + repr(self.aggregation)
+        if lt not in TRL_LOSS_TYPES:
+            raise ConfigError(f"loss_type={lt!r} is not a TRL 1.16 loss type; choose one of {list(TRL_LOSS_TYPES)}.")
+        if lt not in TRL_LOSS_TYPE_TO_AGGREGATION and (self.aggregation is not None or self.variant is not None):
+            raise ConfigError(
+                f"loss_type={lt!r} is a TRL loss this package does not compose, and {who} composes its own "
+                f"(PPO-clip) loss, which cannot honour it (ours would train instead). Use loss_type in "
+                f"{list(cls.composable_loss_types())}"
+                f" with {cls.__name__}, or GRPOVariantConfig(loss_type={lt!r}) with aggregation=None to run TRL's own "
+                f"{lt} loss exactly."
+            )
+        implied = TRL_LOSS_TYPE_TO_AGGREGATION.get(lt)
+        default_lt = cls.__dataclass_fields__["loss_type"].default
+        if self.aggregation is not None and implied != self.aggregation and lt != default_lt:
+            raise ConfigError(
+                f"loss_type={lt!r} normalises as aggregation={implied!r}, but aggregation={self.aggregation!r} is set"
+                f"{' by ' + cls.__name__ if self.aggregation == cls.__dataclass_fields__['aggregation'].default else ''}"
+                f": one would be ignored. {cls.__name__} composes with loss_type in "
+                f"{list(cls.composable_loss_types())}; set aggregation=None to follow loss_type, or leave loss_type at "
+                f"{default_lt!r}."
+            )
+        spg, ga = self.steps_per_generation, self.gradient_accumulation_steps
+        if self.aggregation == "token_mean" and spg is not None and spg % ga != 0:
+            raise ConfigError(
+                f"aggregation='token_mean' normalises by each optimizer update's own tokens, but steps_per_generation "
+                f"({spg}) is not a multiple of gradient_accumulation_steps ({ga}): an update would straddle two "
+                f"rollouts. Use steps_per_generation in {sorted({max(spg // ga, 1) * ga, (spg // ga + 1) * ga})}, or "
+                "aggregation=None with loss_type='dapo' (TRL's rollout-average normaliser, announced)."
+            )
+
+    def loss_composition_notes(self) -> list[str]:
+        """One line per way the loss differs from what ``loss_type`` alone means in TRL (logged by the trainer)."""
+        notes = []
+        implied = TRL_LOSS_TYPE_TO_AGGREGATION.get(self.loss_type)
+        if self.aggregation is not None and implied is not None and self.aggregation != implied:
+            notes.append(
+                f"aggregation={self.aggregation!r} sets the loss normalisation; loss_type={self.loss_type!r} (which "
+                f"implies {implied!r}) does not apply."
+            )
+        if self.resolved_aggregation == "token_mean" and not self.use_adaptive_entropy:
+            spg, ga = self.steps_per_generation, self.gradient_accumulation_steps
+            if spg is not None and spg % ga != 0:
+                notes.append(
+                    f"loss_type='dapo': steps_per_generation ({spg}) is not a multiple of gradient_accumulation_steps "
+                    f"({ga}), so an update straddles two rollouts: normalised by TRL's rollout-average tokens per "
+                    "update, not each update's own token count."
+                )
+            elif spg is not None and spg != ga and self.aggregation is None:
+                notes.append(
+                    "loss_type='dapo': normalised by each optimizer update's own token count (all processes, every "
+                    "accumulation micro-step), not TRL's rollout-average per update (they differ when "
+                    f"steps_per_generation ({spg}) > gradient_accumulation_steps ({ga}))."
+                )
+        return notes
 
     def _refuse_unhonoured_options(self) -> None:
         """Variant-only options on a path that defers to TRL's own loss would be silently ignored: refuse them."""

@@ -639,12 +639,13 @@ def _veto_trigger_only(triggers: torch.Tensor) -> torch.Tensor:
 
 
 def _veto_suffix(triggers: torch.Tensor) -> torch.Tensor:
-    """S_kappa: drop every position t >= kappa (the suffix from the first trigger, triggers included)."""
-    return _positions(triggers) < _first_trigger(triggers)
+    """S_kappa: drop every position t > kappa (the suffix after the first trigger, kappa itself kept; later
+    triggers dropped)."""
+    return _positions(triggers) <= _first_trigger(triggers)
 
 
 def _veto_harmful(triggers: torch.Tensor) -> torch.Tensor:
-    """H_kappa = S_kappa \\ T: drop positions t >= kappa that are not triggers (triggers keep their gradient)."""
+    """H_kappa = S_kappa \\ T: drop positions t > kappa that are not triggers (triggers keep their gradient)."""
     return (_positions(triggers) < _first_trigger(triggers)) | triggers
 
 
@@ -665,9 +666,9 @@ def veto_keep_mask(triggers: torch.Tensor, mask: torch.Tensor, scope: str = "H_k
     """µ-GRPO keep mask, float (B, T): 1 = the token keeps its gradient, 0 = vetoed.
 
     kappa = first trigger position of the row. Scopes: "T" drops triggers only; "S_kappa" drops
-    every position >= kappa (the suffix starting AT the first trigger, triggers included, so that
-    T ⊂ S_kappa and H_kappa = S_kappa \\ T); "H_kappa" (default, the paper's critical harmful set)
-    drops positions >= kappa that are not triggers; "S_seq" drops the whole row. Rows without a
+    every position t > kappa (the paper's suffix after the trigger boundary: kappa itself keeps its
+    gradient, later triggers do not); "H_kappa" (default, the paper's critical harmful set) =
+    S_kappa \\ T drops positions > kappa that are not triggers; "S_seq" drops the whole row. Rows without a
     trigger keep everything; since triggers need A < 0, A >= 0 rows are never vetoed. Positions
     with M = 0 are reported as kept (1): the veto only removes trained tokens.
     """

@@ -14,10 +14,11 @@ update, dropped groups and drafts included) with the running token totals, and t
 ``tokens/signal_fraction``, generated tokens that reached an update with non-zero advantage). Per rollout
 (``_on_rollout_done``): ``time/{generation,reward,logprobs,rollout}_s``,
 ``throughput/generated_tokens_per_s``, ``tokens/{generated,kept_fraction}`` (training rollouts only: an
-evaluation's rollouts add no seconds to these), ``rollout/zero_signal`` (1 when every group of the rollout had
-zero reward variance: no policy gradient; warned once). Per reward call (``_log_reward_health``):
-``rewards/<name>/{error_rate,timeout_rate,nan_rate,cache_hit_rate,time_s}``, and for an accuracy reward
-``rewards/<name>/right_fraction`` (the training accuracy: the share it scored above 0).
+evaluation's rollouts add no seconds to these; kept_fraction is the share of this rollout's generated tokens
+that is trained, now or as groups carried to the next batch), ``rollout/zero_signal`` (1 when every group of
+the rollout had zero reward variance: no policy gradient; warned once). Per reward call
+(``_log_reward_health``): ``rewards/<name>/{error_rate,timeout_rate,nan_rate,cache_hit_rate,time_s}``, and for
+an accuracy reward ``rewards/<name>/right_fraction`` (the training accuracy: the share it scored above 0).
 """
 
 from __future__ import annotations
@@ -84,10 +85,23 @@ class TrainerMetrics:
 
     def _on_rollout_done(self) -> None:
         """Bookkeeping after each training rollout: counters, kept fraction, phase timings."""
-        kept = sum(int(b["generated_mask"].sum().item()) for b in self._buffered_inputs)
-        kept = int(self.accelerator.gather(torch.tensor([kept], device=self.accelerator.device)).sum().item())
+        # Kept tokens are credited to the rollout that generated them: this buffer's own rows (not the groups carried
+        # in from the previous rollout) plus the surplus this rollout carries out to the next one.
+        def own(batch):
+            mask = batch["generated_mask"]
+            carried = batch.get("carried_rows")
+            return mask.sum() if carried is None else (mask * (1 - carried.to(mask.device).view(-1, 1))).sum()
+
+        local = torch.tensor([[float(own(b)), float(b["generated_mask"].sum())] for b in self._buffered_inputs])
+        kept, trained = self.accelerator.gather(local.sum(0, keepdim=True).to(self.accelerator.device)).sum(0).tolist()
+        carried_out = getattr(self, "_ds_carried", None)
+        if carried_out is not None and "generated_mask" in carried_out:
+            kept += float(carried_out["generated_mask"].sum())
         generated = max(self._tokens_generated_round, 1)
         self._kept_fraction = min(kept / generated, 1.0)
+        # trained tokens of this buffer (carried-in rows included) per token generated this round: the factor that
+        # turns the useful share of trained tokens into useful tokens per generated token (useful_token_fraction)
+        self._trained_per_generated = trained / generated
         self._tokens_generated_total += self._tokens_generated_round
         self._generation_rounds_total += 1
         metrics = self._metrics["train"]
@@ -188,6 +202,17 @@ class TrainerMetrics:
         if "is_low_clipped" in stats and "is_high_clipped" in stats:
             region = stats["is_low_clipped"] | stats["is_high_clipped"]
             metrics["clip_ratio/region_mean"].append(self._global_mean(region, mask))
+            # TRL's extremes over sequences: the least low-clipped and the most high-clipped sequence (NaN-aware)
+            from trl.trainer.utils import nanmax, nanmin
+
+            def seq_mean(x):
+                x = x.float()
+                return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+            metrics["clip_ratio/low_min"].append(
+                nanmin(self.accelerator.gather(seq_mean(stats["is_low_clipped"]))).item())
+            metrics["clip_ratio/high_max"].append(
+                nanmax(self.accelerator.gather(seq_mean(stats["is_high_clipped"]))).item())
         if "kl" in stats:
             metrics["kl"].append(self._global_mean(stats["kl"], mask))
         if self.loss_spec.veto_scope is not None:
@@ -207,7 +232,8 @@ class TrainerMetrics:
             totals = self.accelerator.reduce(totals, reduction="sum")
             useful, produced = totals.tolist()
             self._tokens_useful_total += int(useful)
-            metrics["useful_token_fraction"].append(useful / max(produced, 1.0) * self._kept_fraction)
+            factor = getattr(self, "_trained_per_generated", self._kept_fraction)
+            metrics["useful_token_fraction"].append(useful / max(produced, 1.0) * factor)
             self._count_token_fates(stats, mask, inputs)
             generated_total = max(self._tokens_generated_total, 1)
             ledger = self._token_ledger

@@ -39,7 +39,7 @@ from trl import GRPOConfig, GRPOTrainer
 from grpo_variants.rollout.adaptive_clip import adapted_loss_spec
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
-from grpo_variants.rollout.loader import RepeatedFetchCache, RowBatch
+from grpo_variants.rollout.loader import RepeatedFetchCache, RowBatch, collate_rows
 from grpo_variants.losses import LossSpec, compute_policy_loss
 from grpo_variants.metrics import TOKEN_FATES, TrainerMetrics
 from grpo_variants.process import AdaptiveKLMixin, ProcessSupervisionMixin
@@ -293,6 +293,16 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
     config_class = GRPOVariantConfig
     variant_name: str | None = None
 
+    # Defaults of the per-run state `__init__` sets, so that TRL's methods we extend (`_generate`, the
+    # reward and log-prob hooks) also work on a trainer built without it (TRL's tests use object.__new__).
+    _record_rollout_logprobs = False
+    _rollout_logps = None
+    _rollout_logps_expected = False
+    _in_rollout = False
+    _tokens_generated_round = 0
+    _completions_generated_total = 0
+    _last_rewards_per_func = None
+
     def __init__(
         self,
         model,
@@ -313,15 +323,19 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         args = self._coerce_args(args, model)
         check_model_path(model)
         check_output_dir(args.output_dir)
-        check_dataset(train_dataset, "train_dataset")
-        check_dataset(eval_dataset, "eval_dataset")
-        reward_funcs = resolve_reward_funcs(reward_funcs)
+        # An environment may own the data and the reward (TRL 1.16): then TRL's own checks decide.
+        environment = kwargs.get("environment_factory") is not None
+        check_dataset(train_dataset, "train_dataset", environment=environment)
+        check_dataset(eval_dataset, "eval_dataset", environment=environment)
+        reward_funcs = resolve_reward_funcs(reward_funcs, environment=environment)
         if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
-            raise ConfigError(
-                f"reward_weights has {len(args.reward_weights)} values but there are {len(reward_funcs)} reward "
-                f"functions ({[getattr(f, '__name__', f) for f in reward_funcs]}): give one weight per function."
+            raise ConfigError(  # TRL's message, then which functions
+                f"Number of reward weights ({len(args.reward_weights)}) must match number of reward functions "
+                f"({len(reward_funcs)}): {[getattr(f, '__name__', f) for f in reward_funcs]}; give one weight per "
+                "function."
             )
         self._check_args(args)
+        self._check_custom_rollouts(args, kwargs)
         check_prompts_per_round(train_dataset, args)
         self._init_dynamic_sampling(args, train_dataset)
         self._init_stages()
@@ -371,6 +385,9 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         behaviour = self.announce_behaviour()
         if behaviour and self.accelerator.is_main_process:
             logger.warning(behaviour)
+        if self.accelerator.is_main_process and hasattr(self.args, "loss_composition_notes"):
+            for note in self.args.loss_composition_notes():
+                logger.warning(note)
         if torch.cuda.is_available():  # model FLOPs utilisation (throughput/mfu); never logged on CPU
             from grpo_variants.callbacks import MFUCallback
 
@@ -478,6 +495,21 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
                     "entropy controller); use a static entropy_coef or set it to False."
                 )
 
+    @staticmethod
+    def _check_custom_rollouts(args, kwargs) -> None:
+        """TRL's multi-turn and custom rollouts (``tools``, ``environment_factory``, ``rollout_func``) run inside
+        TRL's rollout; our loops over it (dynamic sampling's re-sampling, a stage's chunked rollout) are not tested
+        with them (environment state per rollout, tool masks of carried groups): refused, not guessed."""
+        custom = [name for name in ("tools", "environment_factory", "rollout_func") if kwargs.get(name)]
+        loops = [name for name, on in (("dynamic_sampling=True", args.dynamic_sampling),
+                                       (f"stage_prompts={getattr(args, 'stage_prompts', None)}",
+                                        getattr(args, "stage_prompts", None) is not None)) if on]
+        if custom and loops:
+            raise ConfigError(
+                f"{' and '.join(custom)} with {' and '.join(loops)}: TRL's tool / environment / custom rollouts are "
+                "supported with TRL's rollout only (no dynamic sampling, no stage rollout). Remove one of them."
+            )
+
     @classmethod
     def _overrides_rollout(cls) -> bool:
         """Whether a subclass replaces the rollout (iGRPO): dynamic sampling cannot wrap it then."""
@@ -542,6 +574,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
             "generation_rounds_total": self._generation_rounds_total,
             "completions_generated_total": self._completions_generated_total,
             "kept_fraction": self._kept_fraction,
+            "trained_per_generated": getattr(self, "_trained_per_generated", self._kept_fraction),
             "token_ledger": dict(self._token_ledger),
             **self._dynamic_sampling_state(),
             **self._stage_state(),
@@ -555,6 +588,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         self._generation_rounds_total = state.get("generation_rounds_total", 0)
         self._completions_generated_total = state.get("completions_generated_total", 0)
         self._kept_fraction = state.get("kept_fraction", 1.0)
+        self._trained_per_generated = state.get("trained_per_generated", self._kept_fraction)
         self._token_ledger = {**dict.fromkeys(TOKEN_FATES, 0), **state.get("token_ledger", {})}
         self._load_dynamic_sampling_state(state)
         self._load_stage_state(state)
@@ -630,13 +664,17 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         """Add the block's seconds to a training phase timer. Evaluation rollouts (model in eval mode) are not
         training time: counting them would divide a training rollout's tokens by eval seconds too
         (``throughput/generated_tokens_per_s``, ``time/*_s``)."""
-        training = self.model.training
+        model = getattr(self, "model", None)  # None on a trainer built without __init__
+        training = model is None or model.training
         start = time.perf_counter()
         try:
             yield
         finally:
             if training:
-                self._phase_time[phase] += time.perf_counter() - start
+                times = self.__dict__.get("_phase_time")
+                if times is None:  # a trainer built without __init__ (see the class attributes)
+                    times = self._phase_time = {"generation": 0.0, "reward": 0.0, "logprobs": 0.0, "rollout": 0.0}
+                times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
 
     # ---- behaviour log-probs recorded during generation (grpo_variants.rollout.logprobs) ---------
     def _rollout_logprobs_supported(self) -> bool:
@@ -698,7 +736,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         local = sum(len(ids) for ids in completion_ids)
         total = int(self.accelerator.gather(torch.tensor([local], device=self.accelerator.device)).sum().item())
         self._tokens_generated_round += total
-        self._completions_generated_total += len(completion_ids) * self.accelerator.num_processes
+        self._completions_generated_total += len(completion_ids) * getattr(self.accelerator, "num_processes", 1)
         return result
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -785,8 +823,10 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
     def _zero_constant_group_advantages(self, output) -> None:
         """Exactly zero advantage for every member of a group whose weighted rewards have zero std.
 
-        "Zero std" is TRL's own test for ``frac_reward_zero_std``: ``torch.isclose(std, 0)``. Applies
-        to the group-wise advantages (``scale_rewards`` group / none / batch with ``sum_then_normalize``).
+        "Zero std" is TRL's own test for ``frac_reward_zero_std`` (``torch.isclose(std, 0)``) or exactly
+        equal rewards (:func:`grpo_variants.losses.zero_std_groups`); TRL's ``frac_reward_zero_std`` of this
+        rollout is replaced by the fraction of rows zeroed here. Applies to the group-wise advantages
+        (``scale_rewards`` group / none / batch with ``sum_then_normalize``).
         """
         if self.multi_objective_aggregation != "sum_then_normalize" or self._last_rewards_per_func is None:
             return
@@ -798,6 +838,9 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         if group is None or group < 2 or rewards.numel() % group != 0:
             return
         constant = zero_std_groups(rewards, group).repeat_interleave(group)
+        logged = self._metrics[mode].get("frac_reward_zero_std")
+        if logged:  # TRL's metric, on the rows whose advantage is zeroed here (TRL's isclose misses 0.7 x G)
+            logged[-1] = constant.float().mean().item()
         local = output["advantages"].size(0)
         start = self.accelerator.process_index * local
         constant = constant[start : start + local].to(output["advantages"].device)
@@ -853,7 +896,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             return super().get_train_dataloader()
         dataset, collator = self.train_dataset, self.data_collator
-        self.train_dataset, self.data_collator = RepeatedFetchCache(dataset), functools.partial(RowBatch, collator)
+        self.train_dataset, self.data_collator = RepeatedFetchCache(dataset), functools.partial(collate_rows, collator)
         try:
             return super().get_train_dataloader()
         finally:
@@ -861,7 +904,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
 
     def _prepare_inputs(self, generation_batch):
         if isinstance(generation_batch, RowBatch):
-            rows = generation_batch.rows
+            rows = list(generation_batch)
             generate_every = self.args.steps_per_generation * self.num_iterations
             if self._step % generate_every == 0 or self._buffered_inputs is None:  # TRL's condition to generate
                 rows = send_to_device(rows, self.accelerator.device)
@@ -902,9 +945,10 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         of the rollout's buffer (TRL serves buffer slot ``step % steps_per_generation``); the local counts are
         summed over processes in one reduce.
         When ``steps_per_generation`` is not a multiple of ``gradient_accumulation_steps`` an update straddles two
-        rollouts and TRL's rollout-average normaliser is kept.
+        rollouts: refused with an explicit ``aggregation="token_mean"``; with ``loss_type="dapo"`` alone TRL's
+        rollout-average normaliser is kept and announced (``GRPOVariantConfig.loss_composition_notes``).
         """
-        if self.args.aggregation != "token_mean" or self.loss_spec is None:
+        if self.args.resolved_aggregation != "token_mean" or self.loss_spec is None:  # explicit or loss_type="dapo"
             return
         spg, ga = self.args.steps_per_generation, self.args.gradient_accumulation_steps
         if spg % ga != 0 or len(self._buffered_inputs) != spg:
@@ -1016,7 +1060,14 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         if self.args.entropy_coef != 0.0:  # static entropy bonus, TRL's definition (mean over acting tokens)
             acting = mask if entropy_mask is None else mask * entropy_mask
             entropy_term = (entropies * acting).sum() / acting.sum().clamp(min=1.0) / accumulation
-            loss = loss - self.args.entropy_coef * entropy_term
+            coef = getattr(self, "entropy_coef", self.args.entropy_coef)
+            loss = loss - coef * entropy_term
+            # TRL's metrics of the entropy bonus: the policy term before the bonus (TRL's `policy_loss`: per
+            # micro-batch before the accumulation divisor, except for token-normalised losses), and the coefficient
+            policy_loss = out.loss.detach()
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(coef)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())

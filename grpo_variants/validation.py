@@ -94,18 +94,26 @@ def _in_hf_cache(repo_id: str) -> bool:
         return False
 
 
-def check_dataset(dataset, name: str) -> None:
-    """A dataset must exist, be non-empty and carry a ``prompt`` column."""
+def check_dataset(dataset, name: str, environment: bool = False) -> None:
+    """A dataset must exist, be non-empty and carry a ``prompt`` column.
+
+    With an ``environment_factory`` (``environment=True``) the environment may own the data (TRL 1.16: no
+    dataset with ``max_steps``, or rows that only name their ``environment``): TRL's own checks decide then.
+    Where TRL would raise, the message starts with TRL's words.
+    """
     if dataset is None:
-        if name == "train_dataset":
-            raise DatasetError("train_dataset is required: pass a datasets.Dataset with a 'prompt' column.")
+        if name == "train_dataset" and not environment:
+            raise DatasetError(
+                "`train_dataset` is required unless an `environment_factory` is provided. Pass a datasets.Dataset "
+                "with a 'prompt' column."
+            )
         return
     if isinstance(dataset, dict):  # several eval datasets
         for key, value in dataset.items():
-            check_dataset(value, f"{name}[{key!r}]")
+            check_dataset(value, f"{name}[{key!r}]", environment)
         return
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns:
+    if columns is not None and "prompt" not in columns and not environment:
         raise DatasetError(
             f"{name} has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, e.g. "
             "dataset.rename_column('question', 'prompt')."
@@ -144,18 +152,26 @@ def check_prompts_per_round(dataset, args) -> None:
         )
 
 
-def resolve_reward_funcs(reward_funcs) -> list:
-    """Turn registered reward names into callables; keep callables, reward-model paths and hub ids."""
+_NO_REWARD_SOURCE = (  # TRL's words (GRPOTrainer.__init__), then ours
+    "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment defines a "
+    "`get_reward` method. reward_funcs takes a callable, a registered reward name (see `grpo-variants list`) or a "
+    "list of them."
+)
+
+
+def resolve_reward_funcs(reward_funcs, environment: bool = False) -> list:
+    """Turn registered reward names into callables; keep callables, reward-model paths and hub ids.
+
+    None or an empty list is an error (TRL's message) unless an ``environment_factory`` is given
+    (``environment=True``): its environment may supply the reward, which TRL checks itself.
+    """
     from grpo_variants.rewards.registry import get_reward
 
-    if reward_funcs is None:
-        raise ConfigError(
-            "reward_funcs is required: pass a callable, a registered reward name (see `grpo-variants list`) "
-            "or a list of them."
-        )
-    items = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    items = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not items:
-        raise ConfigError("reward_funcs is empty: pass at least one reward function.")
+        if environment:
+            return []
+        raise ConfigError(_NO_REWARD_SOURCE)
     resolved = []
     for item in items:
         if isinstance(item, str):

@@ -172,7 +172,7 @@ def test_dynamic_sampling_filters_and_fills_the_batch(toy_model_path, small_trai
             assert f"dynamic_sampling/{name}" in record
         assert record["dynamic_sampling/pass_rate"] == pytest.approx(
             record["dynamic_sampling/groups_kept"] / record["dynamic_sampling/groups_generated"])
-        assert 0.0 < record["useful_token_fraction"] <= record["tokens/kept_fraction"] + 1e-9
+        assert 0.0 < record["useful_token_fraction"] <= 1.0 and 0.0 < record["tokens/kept_fraction"] <= 1.0
     # dropped groups' tokens are charged: every generated token counts, not only those of the final batches
     kept_tokens = sum(int(inputs["generated_mask"].sum()) for inputs in rec.loss_inputs)
     assert trainer._tokens_generated_total == rec.generated_tokens > kept_tokens
@@ -301,8 +301,23 @@ def test_surplus_groups_are_carried_with_their_behaviour_logprobs(toy_model_path
         return compute_loss(model, inputs)
 
     trainer._compute_loss = _compute_loss
+    done, on_done = [], trainer._on_rollout_done
+
+    def _on_rollout_done():
+        generated = trainer._tokens_generated_round
+        on_done()
+        done.append((generated, trainer._kept_fraction))
+
+    trainer._on_rollout_done = _on_rollout_done
     trainer.train()
     infos = [info for _, info in batches]
+    # tokens/kept_fraction credits kept tokens to the rollout that generated them: its own rows of the batch plus
+    # the surplus it carries out, not the rows carried in from the previous rollout
+    assert len(done) == len(batches) == 3
+    for (batch, info), out, (generated, kept) in zip(batches, carried, done, strict=True):
+        own = int(batch["generated_mask"][4 * info.groups_carried_in:].sum())
+        carried_out = 0 if out is None else int(out["generated_mask"].sum())
+        assert kept == pytest.approx((own + carried_out) / generated)
     # needed 4: 3 + 3 -> carry 2; 2 + 3 -> carry 1; 1 + 3 -> carry 0
     assert [i.rounds for i in infos] == [2, 1, 1]
     assert [i.groups_carried_in for i in infos] == [0, 2, 1]

@@ -343,7 +343,7 @@ VADV = [-1.0, -0.5, 1.0, -1.0]
 VMASK = [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
 EXPECTED_KEEP = {
     "T": [[0, 1, 1, 0, 1], [1, 1, 1, 0, 1], [1] * 5, [1] * 5],
-    "S_kappa": [[0, 0, 0, 0, 0], [1, 1, 1, 0, 1], [1] * 5, [1] * 5],
+    "S_kappa": [[1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1] * 5, [1] * 5],  # after kappa: kappa itself kept
     "H_kappa": [[1, 0, 0, 1, 0], [1, 1, 1, 1, 1], [1] * 5, [1] * 5],
     "S_seq": [[0, 0, 0, 0, 0], [0, 0, 0, 0, 1], [1] * 5, [1] * 5],
 }
@@ -380,7 +380,10 @@ def test_veto_scope_relations_and_registry():
     drop = {s: (veto_keep_mask(trig, mask, s) == 0) for s in VETO_SCOPES}
     assert torch.equal(drop["T"], trig)
     assert torch.equal(drop["H_kappa"], drop["S_kappa"] & ~trig)  # H = S_kappa \ T
-    assert not (drop["T"] & ~drop["S_kappa"]).any() and not (drop["S_kappa"] & ~drop["S_seq"]).any()
+    assert not (drop["S_kappa"] & ~drop["S_seq"]).any()
+    kappa = torch.where(trig, torch.arange(9), torch.full((6, 9), 9)).min(-1, keepdim=True).values
+    assert torch.equal(drop["S_kappa"], (torch.arange(9) > kappa) & (mask > 0))  # exclusive of kappa
+    assert not (drop["S_kappa"] & (torch.arange(9) == kappa)).any()
     assert set(VETO_SCOPES) == {"T", "S_kappa", "H_kappa", "S_seq"}
     with pytest.raises(UnknownLossError, match="T.*S_kappa.*H_kappa.*S_seq"):
         veto_keep_mask(trig, mask, "prefix")
@@ -778,10 +781,15 @@ def test_trainer_gives_constant_groups_exactly_zero_advantage(toy_kit, tmp_path,
     assert int(constant.sum()) == 4
     assert torch.equal(out["advantages"][constant], torch.zeros(4))
     assert (out["advantages"][~constant] != 0).all()
+    # TRL's frac_reward_zero_std counts the rows zeroed here: 1 group of 4 (TRL's isclose alone misses 0.7 x 4)
+    logged = [r["frac_reward_zero_std"] for r in trainer.state.log_history if "frac_reward_zero_std" in r]
+    assert logged and logged[0] == 0.25
 
 
-def test_token_mean_normalises_each_update_by_its_own_tokens(toy_kit, tmp_path, monkeypatch):
-    """16 updates per rollout (2 micro-batches each) of unequal lengths: each update's loss is its own token mean."""
+@pytest.mark.parametrize("aggregation", ["token_mean", None])
+def test_token_mean_normalises_each_update_by_its_own_tokens(toy_kit, tmp_path, monkeypatch, aggregation):
+    """16 updates per rollout (2 micro-batches each) of unequal lengths: each update's loss is its own token mean,
+    with aggregation="token_mean" or with loss_type="dapo" alone (announced: TRL divides by the rollout average)."""
     import grpo_variants.trainer as trainer_module
 
     calls = []
@@ -793,9 +801,12 @@ def test_token_mean_normalises_each_update_by_its_own_tokens(toy_kit, tmp_path, 
         return out
 
     monkeypatch.setattr(trainer_module, "compute_policy_loss", recording)
-    trainer = _trainer_run(toy_kit, tmp_path, "toy_accuracy", loss_type="dapo", aggregation="token_mean",
+    trainer = _trainer_run(toy_kit, tmp_path, "toy_accuracy", loss_type="dapo", aggregation=aggregation,
                            gradient_accumulation_steps=2, mini_batches_per_rollout=16, max_steps=16)
     assert trainer.args.steps_per_generation == 32
+    notes = trainer.args.loss_composition_notes()
+    assert (len(notes) == 1 and "each optimizer update's own token count" in notes[0]) if aggregation is None \
+        else notes == []
     trainer.train()
     assert len(calls) == 32
     window_tokens = []

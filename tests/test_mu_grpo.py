@@ -181,9 +181,9 @@ def _reference_veto(triggers: torch.Tensor, mask: torch.Tensor, scope: str) -> t
             if scope == "T":
                 vetoed[i, t] = bool(triggers[i, t])
             elif scope == "S_kappa":
-                vetoed[i, t] = t >= kappa
+                vetoed[i, t] = t > kappa  # after the trigger boundary, kappa excluded
             elif scope == "H_kappa":
-                vetoed[i, t] = t >= kappa and not triggers[i, t]
+                vetoed[i, t] = t > kappa and not triggers[i, t]
             elif scope == "S_seq":
                 vetoed[i, t] = True
     return vetoed

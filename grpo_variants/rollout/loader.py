@@ -5,16 +5,16 @@ rows) to every micro-step, and TRL uses it only when it generates. For a µ-GRPO
 that re-fetch (datasets) and re-traversal (accelerate's ``send_to_device``) cost ~25 ms per update on
 CPU. :meth:`GRPOVariantTrainer.get_train_dataloader <grpo_variants.GRPOVariantTrainer.get_train_dataloader>`
 therefore wraps the training set in :class:`RepeatedFetchCache` (a repeated batch of indices is fetched
-once) and the collator's output in :class:`RowBatch` (a container accelerate and ``pin_memory`` pass
-through untouched); ``_prepare_inputs`` unwraps it and moves the rows to the device only when TRL is
-about to generate from them.
+once) and the collator's output in :class:`RowBatch` (a ``list`` of row dicts, as TRL's collator returns,
+that accelerate and ``pin_memory`` pass through untouched); ``_prepare_inputs`` moves the rows to the
+device only when TRL is about to generate from them.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["RepeatedFetchCache", "RowBatch"]
+__all__ = ["RepeatedFetchCache", "RowBatch", "collate_rows"]
 
 
 class RepeatedFetchCache(torch.utils.data.Dataset):
@@ -39,26 +39,25 @@ class RepeatedFetchCache(torch.utils.data.Dataset):
         return list(self._rows)
 
 
-class RowBatch:
-    """Collated training rows that accelerate's ``send_to_device`` and torch's ``pin_memory`` leave alone.
+class RowBatch(list):
+    """Collated training rows: TRL's list of row dicts, which accelerate's ``send_to_device`` and torch's
+    ``pin_memory`` leave alone.
 
-    Not a list, tuple or Mapping and without ``.to``: both return it unchanged instead of walking every
-    row of a large generation batch at every micro-step. ``_prepare_inputs`` unwraps it.
+    A ``list`` (so ``training_step`` and any override of it see TRL's list of row dicts: indexing,
+    iteration, equality, ``isinstance(inputs, list)``), with ``.to`` and ``.pin_memory`` returning itself:
+    both helpers call those before walking a list, so a large generation batch is not traversed at every
+    micro-step. ``_prepare_inputs`` moves the rows (as a plain list) only when TRL is about to generate.
     """
 
-    __slots__ = ("rows",)
+    __slots__ = ()
 
-    def __init__(self, collator, rows):
-        self.rows = collator(rows)
+    def to(self, *args, **kwargs):  # noqa: ARG002 - accelerate's send_to_device: leave the rows where they are
+        return self
 
-    def __len__(self):
-        return len(self.rows)
+    def pin_memory(self, *args, **kwargs):  # noqa: ARG002 - torch's pin_memory: nothing to pin
+        return self
 
-    def __iter__(self):
-        return iter(self.rows)
 
-    def __getitem__(self, index):
-        return self.rows[index]
-
-    def __contains__(self, item):
-        return item in self.rows
+def collate_rows(collator, rows) -> RowBatch:
+    """The data collator's output as a :class:`RowBatch` (the training loader's collate_fn)."""
+    return RowBatch(collator(rows))

