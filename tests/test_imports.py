@@ -289,7 +289,9 @@ def test_old_flat_import_paths_are_the_moved_modules():
     modules = package_modules(ROOT, PACKAGE)
     moved = {name for name in modules
              if name.split(".")[1:2] in (["rollout"], ["tasks"], ["runtime"]) and name.count(".") == 2}
-    assert set(OLD_TO_NEW.values()) == moved
+    assert set(OLD_TO_NEW.values()) <= moved  # every alias names a module that exists (modules added to these
+    # folders after the move, e.g. rollout/packing.py, never had a flat path and need no alias)
+    assert len(set(OLD_TO_NEW.values())) == len(OLD_TO_NEW) == 14  # the 14 modules the layout change moved
     assert not set(OLD_TO_NEW) & set(modules), "an alias shadows a module that exists"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", _OLD_PATHS_FIRST], capture_output=True, text=True, cwd=ROOT,
