@@ -331,7 +331,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
             raise ConfigError(  # TRL's message, then which functions
                 f"Number of reward weights ({len(args.reward_weights)}) must match number of reward functions "
-                f"({len(reward_funcs)}): {[getattr(f, '__name__', f) for f in reward_funcs]}; give one weight per "
+                f"({len(reward_funcs)}): {[getattr(f, '__name__', f) for f in reward_funcs]}; give reward_weights one weight per "
                 "function."
             )
         self._check_args(args)

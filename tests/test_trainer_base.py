@@ -106,6 +106,6 @@ def test_model_path_does_not_exist(small_train_dataset, make_args, tmp_path):
 
 
 def test_reward_weight_count_mismatch(toy_model_path, small_train_dataset, make_args):
-    with pytest.raises(ConfigError, match="reward_weights has 3 values but there are 1"):
+    with pytest.raises(ConfigError, match=r"Number of reward weights \(3\) must match number of reward functions \(1\).*reward_weights"):
         GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy",
                            args=make_args(reward_weights=[1.0, 1.0, 1.0]), train_dataset=small_train_dataset)

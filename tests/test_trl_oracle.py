@@ -125,11 +125,18 @@ def test_loss_and_gradients_equal_trl(tmp_path, toy_model_path, small_train_data
         )
 
 
+# loss_type="dapo" normalises by each update's tokens (docs/algorithms.md); TRL by the rollout's. They are the
+# same normaliser when one rollout feeds one update (steps_per_generation == gradient_accumulation_steps); with
+# 4 micro-batches per rollout and 2 per update ours differs on purpose and says so at start
+# (tests/test_trl_contract.py checks the per-update value and the announcement).
+TRAJECTORY_STEPS_PER_GENERATION = {"grpo": 4, "dapo": 2}
+
+
 @pytest.mark.parametrize("case", ["grpo", "dapo"])
 def test_training_trajectory_equals_trl(tmp_path, toy_model_path, small_train_dataset, case):
     """Three real optimizer steps (sampling, rewards, loss, AdamW) give the same losses and weights as TRL."""
     ours, stock = _pair(tmp_path, toy_model_path, small_train_dataset, case, max_steps=3,
-                        gradient_accumulation_steps=2, steps_per_generation=4)
+                        gradient_accumulation_steps=2, steps_per_generation=TRAJECTORY_STEPS_PER_GENERATION[case])
     from transformers import set_seed
 
     set_seed(0)  # the sampling RNG stream must start from the same state for both trainers
