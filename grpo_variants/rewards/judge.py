@@ -667,27 +667,26 @@ def plan_tests(tests: Any) -> Plan:
     # Program run: needed program-free setup, setup run with the program, program-side probes, in order.
     steps: list[tuple[int, int, tuple]] = [(s.pos, 0, ("x", s.source)) for s in planner.pf if s.pos in prog_pos]
     steps += [(pos, 1, step) for pos, step in live_prog]
-    k = 0
-    for pos, _, step in sorted(steps, key=lambda t: (t[0], t[1])):
-        if step[0] == "x":
-            plan.program_steps.append(("x", step[1]))
-        else:
-            step[1].index = k
-            plan.program_steps.append(("p", k, step[1].expr))
-            k += 1
-    plan.n_program = k
+    plan.program_steps, plan.n_program = _numbered_steps(steps)
     rsteps: list[tuple[int, int, tuple]] = [(s.pos, 0, ("x", s.source)) for s in planner.pf if s.pos in ref_pos]
     rsteps += [(pos, 1, ("p", side)) for pos, side, _ in live_refs]
-    r = 0
-    for pos, _, step in sorted(rsteps, key=lambda t: (t[0], t[1])):
-        if step[0] == "x":
-            plan.reference_steps.append(("x", step[1]))
-        else:
-            step[1].index = r
-            plan.reference_steps.append(("p", r, step[1].expr))
-            r += 1
-    plan.n_reference = r
+    plan.reference_steps, plan.n_reference = _numbered_steps(rsteps)
     return plan
+
+
+def _numbered_steps(steps: list[tuple[int, int, tuple]]) -> tuple[list[tuple], int]:
+    """Order one run's steps by source position (setup before probes at the same position) and number its
+    probes 0..n-1 (each side records its index): ``(["x", source] | ["p", index, expr], ...)``, n."""
+    out: list[tuple] = []
+    n = 0
+    for _pos, _, step in sorted(steps, key=lambda t: (t[0], t[1])):
+        if step[0] == "x":
+            out.append(("x", step[1]))
+        else:
+            step[1].index = n
+            out.append(("p", n, step[1].expr))
+            n += 1
+    return out, n
 
 
 # --------------------------------------------------------------------------------------------
