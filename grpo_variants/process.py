@@ -37,18 +37,11 @@ import torch
 from transformers import TrainerCallback
 
 from grpo_variants.errors import ConfigError
+from grpo_variants.rewards.robust import _completion_text
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AdaptiveKLMixin", "ProcessSupervisionMixin"]
-
-
-def _local_text(completion) -> str:
-    if isinstance(completion, list):
-        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
-    if isinstance(completion, dict):
-        return str(completion.get("content", ""))
-    return str(completion)
 
 
 class ProcessSupervisionMixin:
@@ -105,7 +98,7 @@ class ProcessSupervisionMixin:
         char_ends, offsets = [], []
         for completion, ids in zip(completions, completion_ids_list, strict=True):
             ends = PrefixCharEnds(tokenizer, ids)  # prefixes decoded lazily: O(steps x log tokens) decodes
-            seen = _local_text(completion)
+            seen = _completion_text(completion)
             decoded = ends.total
             offsets.append(len(seen) - decoded if len(seen) >= decoded else 0)  # e.g. a prefilled assistant turn
             char_ends.append(ends)
