@@ -7,8 +7,9 @@ Two studies at an equal generated-token budget per run (a run stops at the first
   (``toy_chain_steps``: 1/0 per partial sum and for the final answer, DeepSeekMath's sum-form credit),
   ``process_min`` (the same steps, PURE's min-form credit) and ``outcome_process`` (both reward functions,
   A = A_outcome + A_process, sum-form).
-* **KL weight** (outcome reward): fixed beta in {0, 0.01, 0.04, 0.16} (beta = 0 is the ``outcome`` arm above)
-  and ``kl_target`` (adaptive beta from 0.04, horizon ``--kl-horizon`` sequences).
+* **KL weight** (``--kl-reward``: the outcome reward, or outcome + process): fixed beta in {0, 0.01, 0.04, 0.16}
+  (beta = 0 is that supervision arm above) and ``kl_target`` (adaptive beta from 0.04, horizon ``--kl-horizon``
+  sequences).
 
 Held-out greedy decoding on ``--eval-problems`` problems of the chain task's eval split: accuracy, the share of
 completions whose final answer is right while a stated partial sum is wrong ("right for the wrong reason",
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -49,12 +51,16 @@ SUPERVISION_ARMS = {
                             fields=dict(beta=0.0, process_credit="sum")),
 }
 KL_TARGET = 0.01  # KL per token the adaptive arm aims at
+KL_REWARD = "outcome"  # the supervision arm the KL grid adds beta to: "outcome" or "outcome_process"
 
 
 def kl_arms(horizon: float) -> dict:
-    arms = {f"beta_{b:g}": dict(rewards=["toy_chain_accuracy"], fields=dict(beta=b)) for b in (0.01, 0.04, 0.16)}
-    arms["kl_target"] = dict(rewards=["toy_chain_accuracy"],
-                             fields=dict(beta=0.04, kl_target=KL_TARGET, kl_horizon=horizon))
+    """The KL grid on the ``KL_REWARD`` supervision arm (its beta = 0 run is that arm itself)."""
+    base = SUPERVISION_ARMS[KL_REWARD]
+    arms = {f"beta_{b:g}": dict(rewards=list(base["rewards"]), fields={**base["fields"], "beta": b})
+            for b in (0.01, 0.04, 0.16)}
+    arms["kl_target"] = dict(rewards=list(base["rewards"]),
+                             fields={**base["fields"], "beta": 0.04, "kl_target": KL_TARGET, "kl_horizon": horizon})
     return arms
 
 
@@ -199,8 +205,7 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
         f"{SHARED['per_device_train_batch_size']} "
         f"completions per step (G = {SHARED['num_generations']}), lr {SHARED['learning_rate']}, temperature "
         f"{SHARED['temperature']} · held-out greedy on {meta['eval_problems']} problems · mean ± standard error "
-        "over seeds. The runs shared a 2-core machine with other jobs (1 thread each): sized down to fit (see "
-        "'Budget').", "",
+        "over seeds (sizes and machine load: 'Budget').", "",
         f"Start (warm-started policy): accuracy {100 * start['accuracy']:.1f}%, right for the wrong reason "
         f"{100 * start['right_for_wrong_reason']:.1f}%, {start['mean_steps']:.2f} steps / completion, mean length "
         f"{start['mean_length']:.1f} tokens.", "",
@@ -219,13 +224,13 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
                      f"{fmt(s['right_for_wrong_reason'], s['right_for_wrong_reason_se'])} | "
                      f"{fmt(s['right_for_wrong_reason_of_right'], s['right_for_wrong_reason_of_right_se'])} | "
                      f"{s['mean_steps']:.2f} | {s['mean_length']:.1f} | {s['steps']:.1f} |")
-    lines += ["", "## KL weight (outcome reward)", "",
+    lines += ["", f"## KL weight ({KL_REWARD.replace('_', ' + ')} reward)", "",
               f"| arm | held-out accuracy | KL per token (last third of steps) | final beta |", "|---|---|---|---|"]
-    for arm in ["outcome"] + list(kl_arms(meta["kl_horizon"])):
+    for arm in [KL_REWARD] + list(kl_arms(meta["kl_horizon"])):
         s = summary.get(arm)
         if not s:
             continue
-        label = "beta_0 (= outcome)" if arm == "outcome" else arm
+        label = f"beta_0 (= {KL_REWARD})" if arm == KL_REWARD else arm
         if arm == "kl_target":
             label = f"kl_target = {KL_TARGET} (beta from 0.04, H = {meta['kl_horizon']:g})"
         lines.append(f"| {label} | {fmt(s['accuracy'], s['accuracy_se'])} | "
@@ -236,6 +241,7 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
               f"Rerun: `python benchmarks/process_rewards.py --budget-tokens {meta['budget_tokens']} --seeds "
               f"{','.join(str(s) for s in meta['seeds'])} --eval-problems {meta['eval_problems']} --kl-target "
               f"{meta['kl_target']} --kl-horizon {meta['kl_horizon']:g}"
+              + (f" --kl-reward {meta['kl_reward']}" if meta.get("kl_reward", "outcome") != "outcome" else "")
               + (f" --arms {meta['arms']}" if meta.get("arms") else "")
               + (f" --stem {stem}" if stem != "process_rewards" else "") + "`."]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
@@ -257,10 +263,11 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
         axes[0].set_ylabel("held-out %")
         axes[0].set_title("supervision (beta = 0)")
         axes[0].legend(fontsize=8)
-        karms = [a for a in ["outcome"] + list(kl_arms(meta["kl_horizon"])) if a in summary]
+        karms = [a for a in [KL_REWARD] + list(kl_arms(meta["kl_horizon"])) if a in summary]
         axes[1].bar(range(len(karms)), [100 * summary[a]["accuracy"] for a in karms],
                     yerr=[100 * (summary[a]["accuracy_se"] or 0) for a in karms], color="tab:green")
-        axes[1].set_xticks(list(range(len(karms))), ["beta_0" if a == "outcome" else a for a in karms], rotation=15)
+        axes[1].axhline(100 * start["accuracy"], color="gray", ls="--")
+        axes[1].set_xticks(list(range(len(karms))), ["beta_0" if a == KL_REWARD else a for a in karms], rotation=15)
         axes[1].set_ylabel("held-out accuracy %")
         axes[1].set_title("KL weight")
         for r in result["runs"]:
@@ -314,7 +321,7 @@ def findings(summary: dict) -> list[str]:
                    "wrong "
                    f"reason {100 * get('process_sum', 'right_for_wrong_reason'):.1f}% vs "
                    f"{100 * get('outcome', 'right_for_wrong_reason'):.1f}% of the time.")
-    fixed = [a for a in ("outcome", "beta_0.01", "beta_0.04", "beta_0.16") if get(a) is not None]
+    fixed = [a for a in (KL_REWARD, "beta_0.01", "beta_0.04", "beta_0.16") if get(a) is not None]
     if get("kl_target") is not None:
         kl = get("kl_target", "kl_last_third")
         near = kl is not None and 1 / 1.5 <= kl / KL_TARGET <= 1.5
@@ -343,6 +350,8 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--kl-horizon", type=float, default=64.0)
     parser.add_argument("--kl-target", type=float, default=0.01, help="KL per token the adaptive arm aims at")
+    parser.add_argument("--kl-reward", default="outcome", choices=("outcome", "outcome_process"),
+                        help="the supervision the KL grid runs on (its beta = 0 arm)")
     parser.add_argument("--arms", default=None, help="comma-separated subset of the arms")
     parser.add_argument("--quick", action="store_true", help="pipeline check: seed 0, 1500 tokens, 40 problems")
     parser.add_argument("--out", default=str(HERE / "results"))
@@ -353,6 +362,7 @@ def main() -> None:
         stem = args.stem or "process_rewards"
         result = json.loads((Path(args.out) / f"{stem}.json").read_text())
         globals()["KL_TARGET"] = result["meta"]["kl_target"]
+        globals()["KL_REWARD"] = result["meta"].get("kl_reward", "outcome")
         result["findings"] = findings(result["summary"])
         (Path(args.out) / f"{stem}.json").write_text(json.dumps(result, indent=1))
         write_outputs(result, Path(args.out), stem)
@@ -364,6 +374,7 @@ def main() -> None:
             args.out = tempfile.mkdtemp(prefix="process-rewards-quick-")
     stem = args.stem or ("process_rewards_quick" if args.quick else "process_rewards")
     globals()["KL_TARGET"] = args.kl_target
+    globals()["KL_REWARD"] = args.kl_reward
     seeds = [int(s) for s in args.seeds.split(",")]
     import torch
 
@@ -383,6 +394,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs, t0 = [], time.perf_counter()
+    load_start = os.getloadavg()[0]
     for seed in seeds:  # seeds outermost: a cut-short study still has every arm at the first seeds
         for name, arm in arms.items():
             runs.append(run_arm(kit, name, arm, seed, args))
@@ -392,15 +404,15 @@ def main() -> None:
                          "budget_tokens": args.budget_tokens, "max_steps": args.max_steps,
                          "eval_problems": args.eval_problems, "kl_horizon": args.kl_horizon,
                          "arms": args.arms,
-                         "kl_target": KL_TARGET, "shared": SHARED, "threads": torch.get_num_threads(),
+                         "kl_target": KL_TARGET, "kl_reward": KL_REWARD, "shared": SHARED, "threads": torch.get_num_threads(),
                          "wall_seconds": round(time.perf_counter() - t0, 1)},
                 "initial": initial, "runs": runs, "summary": summary, "findings": findings(summary),
                 "budget_note": (
                     f"Every run generated about {args.budget_tokens:,} tokens ({args.max_steps} steps at most) and was "
-                    f"evaluated on {args.eval_problems} held-out problems: far below the reasoning benchmark's 40 "
-                    "steps "
-                    "x 64 completions, because the machine (2 cores) was shared by six jobs. Differences smaller than "
-                    "the standard errors are not findings."),
+                    f"evaluated on {args.eval_problems} held-out problems, far below the reasoning benchmark's 40 "
+                    f"steps x 64 completions: a 2-core machine, one thread per run, load average "
+                    f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the last write. Differences "
+                    "smaller than the standard errors are not findings."),
             }
             (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
             write_outputs(result, out, stem)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_variants.errors import ConfigError
 from grpo_variants.rewards import judge, make_code_reward, run_in_sandbox, sandbox_capabilities
 from grpo_variants.rewards import seccomp
 from grpo_variants.rewards.builtin import CodeReward, extract_code
@@ -413,6 +414,43 @@ def test_one_wall_clock_budget_per_completion():
     took = time.monotonic() - t
     assert took < 2.5 + 3.0, took  # not 6 x 2.5 s
     assert out[0] < 1.0 and any("timeout" in r for r in reward.last_reasons[0])
+
+
+def test_a_completions_budget_is_a_multiple_of_a_program_free_run():
+    # The default limit: time_factor x the program-free run's time, at least min_timeout, at most timeout.
+    reward = make_code_reward("all")
+    t = time.monotonic()
+    out = reward(prompts=["p"] * 2, completions=["while True:\n    pass\n", CORRECT_ADD],
+                 tests=[["assert add(1, 2) == 3"]] * 2)
+    took = time.monotonic() - t
+    assert out == [0.0, 1.0], reward.last_reasons
+    budget = reward.last_budgets[0]
+    assert reward.last_budgets[0] == reward.last_budgets[1] and 0.5 <= budget < 10.0
+    assert took < budget + 3.0, (took, budget)  # the stall is cut at its budget, not at timeout=10 s
+    assert any("time_factor" in r and f"{budget:.2f} s" in r for r in reward.last_reasons[0])
+    # time_factor=None: the whole timeout, as before the relative limit.
+    whole = make_code_reward("all", time_factor=None, timeout=1.5)
+    assert whole(prompts=["p"], completions=[CORRECT_ADD], tests=[["assert add(1, 2) == 3"]]) == [1.0]
+    assert whole.last_budgets == [1.5]
+
+
+def test_a_costly_reference_buys_the_program_time():
+    # As a judge's limit is a multiple of its reference solution's time: a test whose expected side is costly
+    # gives the program a proportional budget; the same slow program against a literal expected value has not.
+    slow_add = "import time\ndef add(a, b):\n    time.sleep(0.9)\n    return a + b\n"
+    costly = "import time\ndef _ref():\n    time.sleep(0.8)\n    return 3\nassert add(1, 2) == _ref()"
+    reward = make_code_reward("all", time_factor=2.0, min_timeout=0.3)
+    assert reward(prompts=["p"], completions=[slow_add], tests=[[costly]]) == [1.0], reward.last_reasons
+    assert reward.last_budgets[0] >= 2.0 * 0.8
+    assert reward(prompts=["p"], completions=[slow_add], tests=[["assert add(1, 2) == 3"]]) == [0.0]
+    assert reward.last_budgets[0] < 0.9 and "time_factor" in reward.last_reasons[0][0]
+
+
+@pytest.mark.parametrize("bad", [{"time_factor": 0.5}, {"time_factor": "4"}, {"time_factor": float("nan")},
+                                 {"min_timeout": 0}, {"min_timeout": True}])
+def test_bad_time_limits_are_refused(bad):
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        make_code_reward("all", **bad)
 
 
 def test_failed_reference_run_is_never_cached(caplog):

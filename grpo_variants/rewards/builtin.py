@@ -467,10 +467,25 @@ class CodeReward(_NamedReward):
     showing the program an expected value or trusting its interpreter): ``"error"`` (a DatasetError
     naming the test and why), ``"fail"`` (the test counts as failed) or ``"skip"`` (it is left out of
     the count; a sample with only such tests scores None); both log "unsupported test" once per test and
-    count it in ``last_unsupported``. All of one completion's runs (its assert run and every stdin/stdout
-    case) share one wall-clock budget, the ``timeout`` option; ``test_timeout`` bounds each probe
-    (SIGALRM). Why each completion lost points is in ``last_reasons``. Programs run in parallel in a
-    :class:`SandboxPool`; ``sandbox_options`` go to :func:`run_in_sandbox` (timeout, memory_mb, ...).
+    count it in ``last_unsupported``.
+
+    **Time.** All of one completion's runs (its assert run and every stdin/stdout case) share one
+    wall-clock budget, relative to a program-free run on this machine *now*, as a judge's time limit is
+    a multiple of its reference solution's time::
+
+        budget = min(timeout, max(min_timeout, time_factor * (t_ref + n_cases * t_base)))
+
+    ``t_base`` is the wall time of the fastest program-free run of this call (the reference runs, or one
+    calibration run when they are all cached): the sandbox's start-up under the machine's current load;
+    ``t_ref = max(t_base, the wall time of that sample's reference run)``, which also carries the cost of
+    the expected sides (a reference implementation called in the test). The reference runs go first, alone,
+    so a hostile program never shares the machine with them. Defaults: ``time_factor=4``,
+    ``min_timeout=0.5`` s, ``timeout=10`` s (the ceiling); ``time_factor=None`` gives every completion
+    the whole ``timeout``. A program that does real work beyond its tests' reference (a stdin/stdout task,
+    a test with literal expected values on a costly function) needs a larger ``time_factor`` or ``None``.
+    ``last_budgets`` holds each completion's budget; a time-out reason names it. ``test_timeout`` bounds
+    each probe (SIGALRM). Why each completion lost points is in ``last_reasons``. Programs run in parallel
+    in a :class:`SandboxPool`; ``sandbox_options`` go to :func:`run_in_sandbox` (timeout, memory_mb, ...).
     """
 
     def __init__(
@@ -481,11 +496,19 @@ class CodeReward(_NamedReward):
         max_workers: int | None = None,
         test_timeout: float = 5.0,
         on_unsupported: str = "error",
+        time_factor: float | None = 4.0,
+        min_timeout: float = 0.5,
         name: str | None = None,
         **sandbox_options,
     ):
         if mode not in ("all", "fraction"):
             raise ConfigError(f"make_code_reward: mode must be 'all' or 'fraction', got {mode!r}.")
+        if time_factor is not None and (isinstance(time_factor, bool) or not isinstance(time_factor, (int, float))
+                                        or not math.isfinite(time_factor) or time_factor < 1):
+            raise ConfigError(f"make_code_reward: time_factor must be a number >= 1 (a completion's budget in units "
+                              f"of a program-free run's time) or None (the whole timeout), got {time_factor!r}.")
+        if isinstance(min_timeout, bool) or not isinstance(min_timeout, (int, float)) or not min_timeout > 0:
+            raise ConfigError(f"make_code_reward: min_timeout must be a number of seconds > 0, got {min_timeout!r}.")
         if on_unsupported not in ("error", "fail", "skip"):
             raise ConfigError(f"make_code_reward: on_unsupported must be 'error', 'fail' or 'skip', got "
                               f"{on_unsupported!r}.")
@@ -494,6 +517,8 @@ class CodeReward(_NamedReward):
         self.max_workers = max_workers
         self.test_timeout = float(test_timeout)
         self.on_unsupported = on_unsupported
+        self.time_factor = None if time_factor is None else float(time_factor)
+        self.min_timeout = float(min_timeout)
         self.sandbox_options = dict(sandbox_options)
         self.sandbox_options.setdefault("timeout", 10.0)
         self.sandbox_options.setdefault("cpu_time", 10)
@@ -502,23 +527,31 @@ class CodeReward(_NamedReward):
         self._pool: SandboxPool | None = None
         self._lock = threading.Lock()
         self._ref_cache: dict[str, Any] = {}
+        self._ref_seconds: dict[str, float] = {}
         self.last_results: list[SandboxResult | None] = []
         self.last_reasons: list[list[str]] = []
+        self.last_budgets: list[float | None] = []
         self.last_unsupported = 0
 
     def _params(self) -> dict:
-        return {"mode": self.mode, "tests_column": self.tests_column, **self.sandbox_options}
+        return {"mode": self.mode, "tests_column": self.tests_column, "time_factor": self.time_factor,
+                "min_timeout": self.min_timeout, **self.sandbox_options}
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_pool"] = None
         state["_lock"] = None
         state["_ref_cache"] = {}
+        state["_ref_seconds"] = {}
         state["last_results"] = []
         state["last_reasons"] = []
         return state
 
     def __setstate__(self, state):
+        state.setdefault("time_factor", 4.0)
+        state.setdefault("min_timeout", 0.5)
+        state.setdefault("_ref_seconds", {})
+        state.setdefault("last_budgets", [])
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
@@ -550,7 +583,8 @@ class CodeReward(_NamedReward):
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
         completions = list(completions or [])
         tests_col = _column(kwargs, self.tests_column, len(completions), self.__name__)
-        groups: list[list[tuple[str, str | None]]] = []
+        groups: list[list[tuple[str, str | None]]] = []  # one per completion with runs: its program's runs
+        ref_groups: list[list[tuple[str, str | None]]] = []  # the program-free reference runs not cached yet
         plans: list[judge.Plan | None] = [None] * len(completions)
         where: list[tuple[int, str | None]] = [(-1, None)] * len(completions)  # (group, tag of the assert run)
         ref_jobs: dict[str, tuple[int, str, int]] = {}  # ref key -> (group, tag, n probes), this batch
@@ -572,15 +606,17 @@ class CodeReward(_NamedReward):
             key = plan.ref_key if plan.supported_units else None
             if key is not None and key not in self._ref_cache and key not in ref_jobs:
                 rtag = judge.new_tag()
-                ref_jobs[key] = (len(groups), rtag, plan.n_reference)
-                groups.append([(build_probe_program("", plan.reference_steps, tag=rtag,
-                                                    test_timeout=self.test_timeout), None)])
+                ref_jobs[key] = (len(ref_groups), rtag, plan.n_reference)
+                ref_groups.append([(build_probe_program("", plan.reference_steps, tag=rtag,
+                                                        test_timeout=self.test_timeout), None)])
             plans[i] = plan
             if group:
                 where[i] = (len(groups), tag)
                 groups.append(group)
-        results = self.pool.run_groups(groups) if groups else []
-        self._read_references(ref_jobs, results)
+        base = self._run_references(ref_jobs, ref_groups, calibrate=bool(groups) and self.time_factor is not None)
+        budgets = [self._budget(plans[i], base) if where[i][0] >= 0 else None for i in range(len(completions))]
+        results = self.pool.run_groups(groups, budget=[b for b in budgets if b is not None]) if groups else []
+        self.last_budgets = budgets
         self.last_results = [None] * len(completions)
         self.last_reasons = [[] for _ in completions]
         out: list[float | None] = [None] * len(completions)
@@ -611,9 +647,11 @@ class CodeReward(_NamedReward):
                 if recs.program != "ok":
                     ok, why = False, ("the program " + {"error": "raised", "exit": "exited non-zero"}.get(
                         recs.program or "", "sent no result (it crashed, was killed or garbled its result stream)")
-                        + (f" ({res.killed_reason})" if res.killed_reason else ""))
+                        + (f" ({self._killed(res, budgets[i])})" if res.killed_reason else ""))
                 else:
                     ok, why = judge.unit_verdict(unit, recs, refs)
+                    if not ok and res.killed_reason:  # killed after its module loaded: say by what
+                        why += f" ({self._killed(res, budgets[i])})"
                 passed += int(ok)
                 if not ok:
                     reasons.append(f"{unit.source[:80]!r}: {why}")
@@ -624,7 +662,7 @@ class CodeReward(_NamedReward):
                 ok = res.ok and judge.stdout_matches(res.stdout, case.output)
                 passed += int(ok)
                 if not ok:
-                    reasons.append("stdin/stdout case: " + (res.killed_reason or (
+                    reasons.append("stdin/stdout case: " + (self._killed(res, budgets[i]) if res.killed_reason else (
                         f"exit status {res.returncode}" if res.returncode else "wrong output")))
             if reasons and logger.isEnabledFor(logging.DEBUG):
                 logger.debug("Reward '%s': completion %d lost points: %s", self.__name__, i, "; ".join(reasons))
@@ -636,9 +674,44 @@ class CodeReward(_NamedReward):
                 out[i] = passed / total
         return out
 
+    def _killed(self, res: SandboxResult, budget: float | None) -> str:
+        """A kill reason; a time-out names the completion's budget and where it came from."""
+        if res.killed_reason != "timeout" or budget is None:
+            return str(res.killed_reason)
+        timeout = float(self.sandbox_options["timeout"])
+        if self.time_factor is None or budget >= timeout:
+            return f"timeout: the completion's budget of {budget:.2f} s (timeout) was spent"
+        return (f"timeout: the completion's budget of {budget:.2f} s was spent ({self.time_factor:g} x the "
+                f"program-free run's time, at least min_timeout={self.min_timeout:g} s; raise time_factor, or "
+                f"time_factor=None for the whole timeout={timeout:g} s)")
+
+    def _budget(self, plan, base: float | None) -> float:
+        """One completion's wall-clock budget (the class docstring's formula)."""
+        timeout = float(self.sandbox_options["timeout"])
+        if self.time_factor is None or base is None:
+            return timeout
+        ref = 0.0
+        if plan.supported_units:
+            ref = max(base, self._ref_seconds.get(plan.ref_key, 0.0) if plan.ref_key is not None else 0.0)
+        return min(timeout, max(self.min_timeout, self.time_factor * (ref + len(plan.cases) * base)))
+
+    def _run_references(self, ref_jobs: dict, ref_groups: list, calibrate: bool) -> float | None:
+        """Run this call's uncached reference runs, alone, before any program (plus one program-free
+        calibration run when ``calibrate`` and there are none); return the fastest one's wall time, the
+        sandbox's start-up cost now (None when none finished)."""
+        groups = list(ref_groups)
+        if calibrate and not groups:
+            groups.append([(build_probe_program("", [], tag=judge.new_tag(), test_timeout=self.test_timeout), None)])
+        if not groups:
+            return None
+        results = self.pool.run_groups(groups)
+        self._read_references(ref_jobs, results)
+        times = [g[0].duration for g in results if g and g[0].ok]
+        return min(times) if times else None
+
     def _read_references(self, ref_jobs: dict, results: list) -> None:
         """Cache the reference runs that ran to completion; rerun a failed one once, alone (it may have
-        shared the machine with hostile programs); never cache a failure."""
+        shared the machine with another job); never cache a failure."""
         retry = {}
         for key, (gi, tag, n) in ref_jobs.items():
             if not self._cache_reference(key, results[gi][0], tag, n):
@@ -656,7 +729,9 @@ class CodeReward(_NamedReward):
             return False
         if len(self._ref_cache) >= 4096:
             self._ref_cache.clear()
+            self._ref_seconds.clear()
         self._ref_cache[key] = recs
+        self._ref_seconds[key] = float(res.duration)
         return True
 
     def close(self) -> None:

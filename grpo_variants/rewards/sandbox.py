@@ -1452,20 +1452,27 @@ class SandboxPool:
         ]
         return [f.result() for f in futs]
 
-    def run_groups(self, groups: Sequence[Sequence[tuple[str, str | bytes | None]]], budget: float | None = None,
-                   **overrides) -> list[list[SandboxResult]]:
+    def run_groups(self, groups: Sequence[Sequence[tuple[str, str | bytes | None]]],
+                   budget: float | Sequence[float] | None = None, **overrides) -> list[list[SandboxResult]]:
         """Run each group of ``(code, stdin)`` runs one after another in one worker, all of a group's runs
-        within one wall-clock ``budget`` (default: the ``timeout`` option): each run gets what is left of
-        it, and a run with nothing left is not started (``killed_reason="timeout"``, ``returncode=None``).
-        Groups run in parallel; results come back in input order."""
+        within one wall-clock ``budget`` (default: the ``timeout`` option; a sequence gives one budget per
+        group): each run gets what is left of it, and a run with nothing left is not started
+        (``killed_reason="timeout"``, ``returncode=None``). Groups run in parallel; results come back in
+        input order."""
         opts = {**self.run_options, **overrides}
-        budget = float(budget if budget is not None else opts.get("timeout", 5.0))
         groups = [list(g) for g in groups]
+        default = float(opts.get("timeout", 5.0))
+        if budget is None or isinstance(budget, (int, float)):
+            budgets = [float(budget if budget is not None else default)] * len(groups)
+        else:
+            budgets = [float(b) for b in budget]
+            if len(budgets) != len(groups):
+                raise ValueError(f"run_groups got {len(groups)} groups but {len(budgets)} budgets.")
         if not groups:
             return []
         sandbox_capabilities()
 
-        def one(group):
+        def one(group, budget):
             deadline = time.monotonic() + budget
             out = []
             for code, stdin in group:
@@ -1478,8 +1485,8 @@ class SandboxPool:
             return out
 
         if self.max_workers == 1 or len(groups) == 1:
-            return [one(g) for g in groups]
-        futs = [self._pool().submit(one, g) for g in groups]
+            return [one(g, b) for g, b in zip(groups, budgets)]
+        futs = [self._pool().submit(one, g, b) for g, b in zip(groups, budgets)]
         return [f.result() for f in futs]
 
     def close(self) -> None:
