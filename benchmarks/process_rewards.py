@@ -197,14 +197,15 @@ def fmt(mean, se, pct=True):
 
 def write_outputs(result: dict, out: Path, stem: str) -> None:
     summary, meta = result["summary"], result["meta"]
+    sh = meta.get("shared", SHARED)
     start = result["initial"]
     lines = [
         "# Process supervision and adaptive KL on the chain toy task", "",
         f"{meta['created']} · {len(meta['seeds'])} seeds · budget {meta['budget_tokens']:,} generated tokens per run "
         f"(stops at the first step past it; at most {meta['max_steps']} steps) · "
-        f"{SHARED['per_device_train_batch_size']} "
-        f"completions per step (G = {SHARED['num_generations']}), lr {SHARED['learning_rate']}, temperature "
-        f"{SHARED['temperature']} · held-out greedy on {meta['eval_problems']} problems · mean ± standard error "
+        f"{sh['per_device_train_batch_size']} "
+        f"completions per step (G = {sh['num_generations']}), lr {sh['learning_rate']}, temperature "
+        f"{sh['temperature']} · held-out greedy on {meta['eval_problems']} problems · mean ± standard error "
         "over seeds (sizes and machine load: 'Budget').", "",
         f"Start (warm-started policy): accuracy {100 * start['accuracy']:.1f}%, right for the wrong reason "
         f"{100 * start['right_for_wrong_reason']:.1f}%, {start['mean_steps']:.2f} steps / completion, mean length "
@@ -241,6 +242,9 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
               f"Rerun: `python benchmarks/process_rewards.py --budget-tokens {meta['budget_tokens']} --seeds "
               f"{','.join(str(s) for s in meta['seeds'])} --eval-problems {meta['eval_problems']} --kl-target "
               f"{meta['kl_target']} --kl-horizon {meta['kl_horizon']:g}"
+              + (f" --batch {meta['shared']['per_device_train_batch_size']}"
+                 if meta["shared"]["per_device_train_batch_size"] != 32 else "")
+              + f" --max-steps {meta['max_steps']}"
               + (f" --kl-reward {meta['kl_reward']}" if meta.get("kl_reward", "outcome") != "outcome" else "")
               + (f" --arms {meta['arms']}" if meta.get("arms") else "")
               + (f" --stem {stem}" if stem != "process_rewards" else "") + "`."]
@@ -350,6 +354,8 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--kl-horizon", type=float, default=64.0)
     parser.add_argument("--kl-target", type=float, default=0.01, help="KL per token the adaptive arm aims at")
+    parser.add_argument("--batch", type=int, default=SHARED["per_device_train_batch_size"],
+                        help="completions per optimizer step (prompts x G = 8)")
     parser.add_argument("--kl-reward", default="outcome", choices=("outcome", "outcome_process"),
                         help="the supervision the KL grid runs on (its beta = 0 arm)")
     parser.add_argument("--arms", default=None, help="comma-separated subset of the arms")
@@ -375,6 +381,7 @@ def main() -> None:
     stem = args.stem or ("process_rewards_quick" if args.quick else "process_rewards")
     globals()["KL_TARGET"] = args.kl_target
     globals()["KL_REWARD"] = args.kl_reward
+    SHARED["per_device_train_batch_size"] = args.batch
     seeds = [int(s) for s in args.seeds.split(",")]
     import torch
 
@@ -408,9 +415,9 @@ def main() -> None:
                          "wall_seconds": round(time.perf_counter() - t0, 1)},
                 "initial": initial, "runs": runs, "summary": summary, "findings": findings(summary),
                 "budget_note": (
-                    f"Every run generated about {args.budget_tokens:,} tokens ({args.max_steps} steps at most) and was "
-                    f"evaluated on {args.eval_problems} held-out problems, far below the reasoning benchmark's 40 "
-                    f"steps x 64 completions: a 2-core machine, one thread per run, load average "
+                    f"Every run stopped at {args.budget_tokens:,} generated tokens or {args.max_steps} optimizer steps "
+                    f"of {SHARED['per_device_train_batch_size']} completions, whichever came first, and was evaluated "
+                    f"on {args.eval_problems} held-out problems: a 2-core machine, one thread per run, load average "
                     f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the last write. Differences "
                     "smaller than the standard errors are not findings."),
             }

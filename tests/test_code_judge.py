@@ -446,6 +446,15 @@ def test_a_costly_reference_buys_the_program_time():
     assert reward.last_budgets[0] < 0.9 and "time_factor" in reward.last_reasons[0][0]
 
 
+def test_an_explicit_timeout_is_said_to_be_a_ceiling(caplog):
+    reward = make_code_reward("all", timeout=3.0)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert reward(prompts=["p"], completions=[CORRECT_ADD], tests=[["assert add(1, 2) == 3"]]) == [1.0]
+    assert caplog.text.count("ceiling") == 1 and "time_factor=None" in caplog.text
+    assert reward.last_budgets[0] < 3.0
+
+
 @pytest.mark.parametrize("bad", [{"time_factor": 0.5}, {"time_factor": "4"}, {"time_factor": float("nan")},
                                  {"min_timeout": 0}, {"min_timeout": True}])
 def test_bad_time_limits_are_refused(bad):
@@ -565,7 +574,7 @@ class _EveryCompletionHostile:
 def test_training_where_every_completion_is_hostile_finishes(toy_model_path, small_train_dataset, make_args):
     from grpo_variants import GRPOVariantTrainer
 
-    reward = _EveryCompletionHostile(make_code_reward("all", timeout=2.0))
+    reward = _EveryCompletionHostile(make_code_reward("all"))  # default limits: budget 4 x a program-free run
     args = make_args(max_steps=2, reward_on_error="raise")  # any exception from the reward would stop training
     trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs=[reward], args=args,
                                  train_dataset=small_train_dataset)
@@ -576,3 +585,7 @@ def test_training_where_every_completion_is_hostile_finishes(toy_model_path, sma
     reasons = [x for rs in reward.reward.last_reasons for x in rs]
     assert len(reward.reward.last_reasons) == 16 and all(reward.reward.last_reasons)  # each has its reason
     assert any("sent no result" in x or "raised" in x for x in reasons)
+    # Every completion's budget is the relative one, far below the 10 s timeout a stall used to cost.
+    budgets = reward.reward.last_budgets
+    assert len(budgets) == 16 and all(0.5 <= b < 10.0 for b in budgets), budgets
+    assert any("time_factor" in x for x in reasons)

@@ -519,6 +519,8 @@ class CodeReward(_NamedReward):
         self.on_unsupported = on_unsupported
         self.time_factor = None if time_factor is None else float(time_factor)
         self.min_timeout = float(min_timeout)
+        # A timeout given without a time_factor is a ceiling the relative budget may stay under: said once.
+        self._announce = "timeout" in sandbox_options and time_factor == 4.0
         self.sandbox_options = dict(sandbox_options)
         self.sandbox_options.setdefault("timeout", 10.0)
         self.sandbox_options.setdefault("cpu_time", 10)
@@ -614,6 +616,12 @@ class CodeReward(_NamedReward):
                 where[i] = (len(groups), tag)
                 groups.append(group)
         base = self._run_references(ref_jobs, ref_groups, calibrate=bool(groups) and self.time_factor is not None)
+        if getattr(self, "_announce", False):
+            self._announce = False
+            logger.warning("Reward '%s': timeout=%gs is the ceiling of each completion's budget, which is %g x a "
+                           "program-free run's time (at least %g s); pass time_factor=None to give every completion "
+                           "the whole timeout.", self.__name__, float(self.sandbox_options["timeout"]),
+                           self.time_factor, self.min_timeout)
         budgets = [self._budget(plans[i], base) if where[i][0] >= 0 else None for i in range(len(completions))]
         results = self.pool.run_groups(groups, budget=[b for b in budgets if b is not None]) if groups else []
         self.last_budgets = budgets
