@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_zero3 import _env as _zero3_env
+from test_zero3 import _free_port
 
 pytestmark = pytest.mark.slow
 
@@ -28,18 +29,9 @@ ZERO3_YAML = "recipes/accelerate/zero3.yaml"  # relative, as documented: launche
 LAUNCH_TIMEOUT = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _env() -> dict:
-    env = dict(os.environ)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", ""),
+    env = _zero3_env()
+    env.update(HF_DATASETS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return env
 
