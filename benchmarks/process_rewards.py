@@ -54,6 +54,16 @@ KL_TARGET = 0.01  # KL per token the adaptive arm aims at
 KL_REWARD = "outcome"  # the supervision arm the KL grid adds beta to: "outcome" or "outcome_process"
 
 
+def target_of(arm: str) -> float | None:
+    """The KL target of an adaptive arm: ``kl_target`` (this run's ``--kl-target``) or ``kl_target_<t>``
+    (an arm merged in from a run with target t, ``--merge``)."""
+    if arm == "kl_target":
+        return KL_TARGET
+    if arm.startswith("kl_target_"):
+        return float(arm[len("kl_target_"):])
+    return None
+
+
 def kl_arms(horizon: float) -> dict:
     """The KL grid on the ``KL_REWARD`` supervision arm (its beta = 0 run is that arm itself)."""
     base = SUPERVISION_ARMS[KL_REWARD]
@@ -227,13 +237,14 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
                      f"{s['mean_steps']:.2f} | {s['mean_length']:.1f} | {s['steps']:.1f} |")
     lines += ["", f"## KL weight ({KL_REWARD.replace('_', ' + ')} reward)", "",
               f"| arm | held-out accuracy | KL per token (last third of steps) | final beta |", "|---|---|---|---|"]
-    for arm in [KL_REWARD] + list(kl_arms(meta["kl_horizon"])):
+    adaptive = sorted((a for a in summary if target_of(a) is not None), key=target_of)
+    for arm in [KL_REWARD] + [a for a in kl_arms(meta["kl_horizon"]) if target_of(a) is None] + adaptive:
         s = summary.get(arm)
         if not s:
             continue
         label = f"beta_0 (= {KL_REWARD})" if arm == KL_REWARD else arm
-        if arm == "kl_target":
-            label = f"kl_target = {KL_TARGET} (beta from 0.04, H = {meta['kl_horizon']:g})"
+        if target_of(arm) is not None:
+            label = f"kl_target = {target_of(arm):g} (beta from 0.04, H = {meta['kl_horizon']:g})"
         lines.append(f"| {label} | {fmt(s['accuracy'], s['accuracy_se'])} | "
                      f"{fmt(s['kl_last_third'], s['kl_last_third_se'], pct=False)} | "
                      f"{'-' if s['final_beta'] is None else format(s['final_beta'], '.4f')} |")
@@ -267,20 +278,25 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
         axes[0].set_ylabel("held-out %")
         axes[0].set_title("supervision (beta = 0)")
         axes[0].legend(fontsize=8)
-        karms = [a for a in [KL_REWARD] + list(kl_arms(meta["kl_horizon"])) if a in summary]
+        karms = [a for a in [KL_REWARD] + [a for a in kl_arms(meta["kl_horizon"]) if target_of(a) is None]
+                 if a in summary] + sorted((a for a in summary if target_of(a) is not None), key=target_of)
         axes[1].bar(range(len(karms)), [100 * summary[a]["accuracy"] for a in karms],
                     yerr=[100 * (summary[a]["accuracy_se"] or 0) for a in karms], color="tab:green")
         axes[1].axhline(100 * start["accuracy"], color="gray", ls="--")
         axes[1].set_xticks(list(range(len(karms))), ["beta_0" if a == KL_REWARD else a for a in karms], rotation=15)
         axes[1].set_ylabel("held-out accuracy %")
         axes[1].set_title("KL weight")
-        for r in result["runs"]:
-            if r["arm"] == "kl_target" and r["beta_trajectory"]:
-                axes[2].plot(r["beta_trajectory"], color="tab:purple", alpha=0.7)
-                kl = [k if k is not None else float("nan") for k in r["kl_trajectory"]]
-                axes[2].plot([k * 4 for k in kl], color="tab:orange", alpha=0.5)
-        axes[2].axhline(4 * KL_TARGET, color="tab:orange", ls="--")
-        axes[2].set_title(f"adaptive: beta (purple), 4 x KL (orange), 4 x target (dashed)")
+        colors = ("tab:purple", "tab:brown", "tab:olive")
+        for k, arm in enumerate(sorted((a for a in summary if target_of(a) is not None), key=target_of)):
+            color = colors[k % len(colors)]
+            for r in result["runs"]:
+                if r["arm"] == arm and r["beta_trajectory"]:
+                    axes[2].plot(r["beta_trajectory"], color=color, alpha=0.7)
+                    kl = [x if x is not None else float("nan") for x in r["kl_trajectory"]]
+                    axes[2].plot([x * 4 for x in kl], color=color, alpha=0.35, ls=":")
+            axes[2].axhline(4 * target_of(arm), color=color, ls="--", label=f"target {target_of(arm):g}")
+        axes[2].legend(fontsize=8)
+        axes[2].set_title("adaptive: beta (solid), 4 x KL (dotted), 4 x target (dashed)")
         axes[2].set_xlabel("optimizer step")
         fig.tight_layout()
         fig.savefig(out / f"{stem}.png", dpi=90)
@@ -326,23 +342,25 @@ def findings(summary: dict) -> list[str]:
                    f"reason {100 * get('process_sum', 'right_for_wrong_reason'):.1f}% vs "
                    f"{100 * get('outcome', 'right_for_wrong_reason'):.1f}% of the time.")
     fixed = [a for a in (KL_REWARD, "beta_0.01", "beta_0.04", "beta_0.16") if get(a) is not None]
-    if get("kl_target") is not None:
-        kl = get("kl_target", "kl_last_third")
-        near = kl is not None and 1 / 1.5 <= kl / KL_TARGET <= 1.5
-        kl_text = (f"KL per token {kl:.4f} over the last third of the steps for a target of {KL_TARGET} ("
+    for arm in sorted((a for a in summary if target_of(a) is not None), key=target_of):
+        target, kl = target_of(arm), get(arm, "kl_last_third")
+        near = kl is not None and 1 / 1.5 <= kl / target <= 1.5
+        kl_text = (f"KL per token {kl:.4f} over the last third of the steps for a target of {target:g} ("
                    + ("near it: within a factor 1.5)" if near else
-                      f"not near it: {kl / KL_TARGET:.1f} x the target; final beta "
-                      f"{get('kl_target', 'final_beta'):.3f})"))
+                      f"not near it: {kl / target:.1f} x the target; final beta "
+                      f"{get(arm, 'final_beta'):.3f})"))
         if fixed:
             best = max(fixed, key=lambda a: get(a))
-            gap = get("kl_target") - get(best)
-            within = abs(gap) <= max(se(best), se("kl_target"))
-            out.append(f"kl_target: {100 * get('kl_target'):.1f}% vs best fixed ({best}) {100 * get(best):.1f}%: "
+            gap = get(arm) - get(best)
+            within = abs(gap) <= max(se(best), se(arm))
+            closest = min(fixed[1:] or fixed, key=lambda a: abs(math.log((get(a, "kl_last_third") or 1e-9) / kl)))
+            out.append(f"{arm}: {100 * get(arm):.1f}% vs best fixed ({best}) {100 * get(best):.1f}%: "
                        f"{'within' if within else 'not within'} one standard error ({100 * gap:+.1f} points); "
-                       + kl_text + ".")
+                       + kl_text + f"; the fixed beta with the nearest KL is {closest} ("
+                       f"KL {get(closest, 'kl_last_third') or 0:.4f}, accuracy {100 * get(closest):.1f}%).")
         else:
-            out.append(f"kl_target: held-out accuracy {100 * get('kl_target'):.1f}% ± "
-                       f"{100 * se('kl_target'):.1f}; " + kl_text + ".")
+            out.append(f"{arm}: held-out accuracy {100 * get(arm):.1f}% ± "
+                       f"{100 * se(arm):.1f}; " + kl_text + ".")
     return out
 
 
@@ -363,12 +381,32 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--stem", default=None)
     parser.add_argument("--rewrite", action="store_true", help="rewrite the md / png from the committed JSON")
+    parser.add_argument("--merge", default=None,
+                        help="comma-separated stems of studies on the same kit and recipe whose runs join --stem's "
+                             "(their kl_target arm becomes kl_target_<target>); then rewrite")
     args = parser.parse_args()
-    if args.rewrite:
+    if args.rewrite or args.merge:
         stem = args.stem or "process_rewards"
         result = json.loads((Path(args.out) / f"{stem}.json").read_text())
         globals()["KL_TARGET"] = result["meta"]["kl_target"]
         globals()["KL_REWARD"] = result["meta"].get("kl_reward", "outcome")
+        for other in (args.merge.split(",") if args.merge else []):
+            extra = json.loads((Path(args.out) / f"{other}.json").read_text())
+            for key in ("shared", "max_steps", "budget_tokens", "eval_problems", "kl_horizon", "kl_reward"):
+                if extra["meta"].get(key) != result["meta"].get(key):
+                    raise SystemExit(f"--merge {other}: its {key} {extra['meta'].get(key)!r} differs from "
+                                     f"{stem}'s {result['meta'].get(key)!r}")
+            if extra["initial"]["accuracy"] != result["initial"]["accuracy"]:
+                raise SystemExit(f"--merge {other}: another start policy (initial accuracy differs)")
+            for blob in (result, extra):  # name every adaptive arm by its target
+                for run in blob["runs"]:
+                    if run["arm"] == "kl_target":
+                        run["arm"] = f"kl_target_{blob['meta']['kl_target']:g}"
+            result["runs"] += extra["runs"]
+            result["meta"].setdefault("merged", []).append(
+                {"stem": other, "kl_target": extra["meta"]["kl_target"], "created": extra["meta"]["created"],
+                 "wall_seconds": extra["meta"]["wall_seconds"]})
+        result["summary"] = summarise(result["runs"])
         result["findings"] = findings(result["summary"])
         (Path(args.out) / f"{stem}.json").write_text(json.dumps(result, indent=1))
         write_outputs(result, Path(args.out), stem)
