@@ -60,8 +60,13 @@ def target_of(arm: str) -> float | None:
     if arm == "kl_target":
         return KL_TARGET
     if arm.startswith("kl_target_"):
-        return float(arm[len("kl_target_"):])
+        return float(arm[len("kl_target_"):].split("_h")[0])
     return None
+
+
+def horizon_of(arm: str, meta: dict) -> float:
+    """The horizon of an adaptive arm: ``kl_target_<t>_h<H>`` names its own, else the study's."""
+    return float(arm.split("_h")[1]) if "_h" in arm else meta["kl_horizon"]
 
 
 def kl_arms(horizon: float) -> dict:
@@ -244,7 +249,7 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
             continue
         label = f"beta_0 (= {KL_REWARD})" if arm == KL_REWARD else arm
         if target_of(arm) is not None:
-            label = f"kl_target = {target_of(arm):g} (beta from 0.04, H = {meta['kl_horizon']:g})"
+            label = f"kl_target = {target_of(arm):g} (beta from 0.04, H = {horizon_of(arm, meta):g})"
         lines.append(f"| {label} | {fmt(s['accuracy'], s['accuracy_se'])} | "
                      f"{fmt(s['kl_last_third'], s['kl_last_third_se'], pct=False)} | "
                      f"{'-' if s['final_beta'] is None else format(s['final_beta'], '.4f')} |")
@@ -392,19 +397,22 @@ def main() -> None:
         globals()["KL_REWARD"] = result["meta"].get("kl_reward", "outcome")
         for other in (args.merge.split(",") if args.merge else []):
             extra = json.loads((Path(args.out) / f"{other}.json").read_text())
-            for key in ("shared", "max_steps", "budget_tokens", "eval_problems", "kl_horizon", "kl_reward"):
+            for key in ("shared", "max_steps", "budget_tokens", "eval_problems", "kl_reward"):
                 if extra["meta"].get(key) != result["meta"].get(key):
                     raise SystemExit(f"--merge {other}: its {key} {extra['meta'].get(key)!r} differs from "
                                      f"{stem}'s {result['meta'].get(key)!r}")
             if extra["initial"]["accuracy"] != result["initial"]["accuracy"]:
                 raise SystemExit(f"--merge {other}: another start policy (initial accuracy differs)")
-            for blob in (result, extra):  # name every adaptive arm by its target
+            for blob in (result, extra):  # name every adaptive arm by its target (and horizon, if another)
+                h = blob["meta"]["kl_horizon"]
                 for run in blob["runs"]:
                     if run["arm"] == "kl_target":
-                        run["arm"] = f"kl_target_{blob['meta']['kl_target']:g}"
+                        run["arm"] = f"kl_target_{blob['meta']['kl_target']:g}" + (
+                            "" if h == result["meta"]["kl_horizon"] else f"_h{h:g}")
             result["runs"] += extra["runs"]
             result["meta"].setdefault("merged", []).append(
-                {"stem": other, "kl_target": extra["meta"]["kl_target"], "created": extra["meta"]["created"],
+                {"stem": other, "kl_target": extra["meta"]["kl_target"], "kl_horizon": extra["meta"]["kl_horizon"],
+                 "created": extra["meta"]["created"],
                  "wall_seconds": extra["meta"]["wall_seconds"]})
         result["summary"] = summarise(result["runs"])
         result["findings"] = findings(result["summary"])
