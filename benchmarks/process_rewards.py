@@ -264,6 +264,11 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
               + (f" --kl-reward {meta['kl_reward']}" if meta.get("kl_reward", "outcome") != "outcome" else "")
               + (f" --arms {meta['arms']}" if meta.get("arms") else "")
               + (f" --stem {stem}" if stem != "process_rewards" else "") + "`."]
+    for m in meta.get("merged", []):
+        lines.append(f"Merged in (`--merge {m['stem']}`): the adaptive arm with target {m['kl_target']:g}, horizon "
+                     f"{m['kl_horizon']:g}, run {m['created']} with the same recipe "
+                     f"(`--kl-target {m['kl_target']:g} --kl-horizon {m['kl_horizon']:g} --arms kl_target "
+                     f"--stem {m['stem']}`).")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -396,6 +401,8 @@ def main() -> None:
         globals()["KL_TARGET"] = result["meta"]["kl_target"]
         globals()["KL_REWARD"] = result["meta"].get("kl_reward", "outcome")
         for other in (args.merge.split(",") if args.merge else []):
+            if other in [m["stem"] for m in result["meta"].get("merged", [])]:
+                raise SystemExit(f"--merge {other}: already merged into {stem}")
             extra = json.loads((Path(args.out) / f"{other}.json").read_text())
             for key in ("shared", "max_steps", "budget_tokens", "eval_problems", "kl_reward"):
                 if extra["meta"].get(key) != result["meta"].get(key):
