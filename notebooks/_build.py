@@ -280,7 +280,16 @@ PROCESS_READING = """\
   (12.2% ± 1.7) is within one standard error of beta 0.16's (13.7% ± 1.4) but not of the best fixed beta
   (0.04: 15.0% ± 1.3); every arm of that run ends at or below the start, so the accuracy ranking of the
   KL weights is noise here. The study shows the controller reaching its target, not that a KL target
-  beats a tuned beta."""
+  beats a tuned beta.
+* **Where the policy learns, a tuned beta wins** (`process_rewards_kl.md`, the table and plots above:
+  40 steps of 128 completions, 500 problems, start 14.0%). The fixed betas order cleanly, 0 / 0.01 /
+  0.04 / 0.16 at 14.4 / 14.6 / 18.1 / 20.1% (± 0.6-2.7), beta 0.16 with a KL per token of 0.026. The
+  adaptive arms hit their targets (0.01 → 0.0097, 0.03 → 0.027) yet end 2.6-5.1 points below beta 0.16,
+  even with the target set to that beta's own KL. The plots show why: beta first *falls* (the first
+  on-policy steps have KL ≈ 0), the KL overshoots to 2-3x the target in steps 8-20, and the controller
+  then pulls the policy back toward the reference with beta 0.4-4. A slower horizon (H = 512) overshoots
+  less and does best of the four (17.5%), but ends at 1.6x its target. A KL target replaces tuning beta
+  only if the target itself is tuned."""
 
 REASONING = [
     new_markdown_cell("""\
