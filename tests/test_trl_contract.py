@@ -216,6 +216,176 @@ def test_off_policy_mask_in_a_stage_is_taken_against_each_rows_generation_logpro
     assert (current - sampling).abs().max() > 0  # after 3 updates the policy has drifted from the stored ones
 
 
+class _FakeVLLMRatio:
+    """What TRL's vLLM rollout adds to a rollout, faked on CPU: ``importance_sampling_ratio``.
+
+    With ``use_vllm`` TRL's rollout compares its behaviour log-probs with vLLM's sampling log-probs and returns
+    the ratio per token ((B, T), ``token_*`` modes) or per sequence ((B, 1), ``sequence_*`` modes, the default
+    ``sequence_mask`` zeroing rows outside its bounds). Here every rollout call gets drawn ratios instead (far
+    from 1, some zeros, distinct per row), recorded with the rows they belong to. vLLM is not installed, so the
+    trainer generates without it and ``use_vllm`` is switched on around the loss only (TRL's loss and ours read
+    it there to apply the ratio). At every loss call the recorder keeps the inputs, our loss, TRL's own
+    ``_compute_loss`` on the same inputs, and our loss with the ratio replaced by ones.
+    """
+
+    def __init__(self, trainer, shape: str = "sequence", old_shift: float | None = None):
+        self.generator = torch.Generator().manual_seed(0)
+        self.generated = []  # per rollout call: its rows (prompt, completion, ratio), on CPU
+        self.at_loss = []
+        rollout, compute_loss = trainer._scored_rollout, trainer._compute_loss
+
+        def _scored_rollout(inputs):
+            output = rollout(inputs)
+            ids = output["completion_ids"]
+            width = ids.size(1) if shape == "token" else 1
+            ratio = 0.25 + 1.5 * torch.rand(ids.size(0), width, generator=self.generator)
+            ratio[::5] = 0.0  # what the *_mask modes do to rows outside [clip_min, clip_max]
+            output["importance_sampling_ratio"] = ratio.to(ids.device)
+            self.generated.append({k: output[k].detach().cpu().clone() for k in (
+                "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "importance_sampling_ratio")})
+            return output
+
+        def _compute_loss(model, inputs):
+            from trl import GRPOTrainer
+
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            with torch.no_grad():
+                width = inputs["completion_ids"].size(1)
+                logps = trainer._get_per_token_logps_and_entropies(model, ids, attention, width)[0]
+            if old_shift is not None:  # behaviour log-probs off the current policy, so that the clip bites
+                pattern = torch.linspace(-old_shift, old_shift, logps.size(1), device=logps.device)
+                inputs = {**inputs, "old_per_token_logps": logps + pattern}
+            trainer.use_vllm = True
+            try:
+                ours = compute_loss(model, inputs)
+                with torch.no_grad():
+                    trl = GRPOTrainer._compute_loss(trainer, model, inputs)
+                    ones = compute_loss(model, {**inputs, "importance_sampling_ratio": torch.ones_like(
+                        inputs["importance_sampling_ratio"])})
+            finally:
+                trainer.use_vllm = False
+            self.at_loss.append(dict(inputs={k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                                             for k, v in inputs.items()},
+                                     logps=logps.cpu(), ours=ours.item(), trl=trl.item(), ones=ones.item(),
+                                     step=trainer.state.global_step))
+            return ours
+
+        trainer._scored_rollout, trainer._compute_loss = _scored_rollout, _compute_loss
+
+    def generation_of(self, inputs, row):
+        """(call index, row) of the generated row that row ``row`` of ``inputs`` is: same prompt, same completion,
+        same ratio (exactly one; the drawn ratios are distinct but for the zeros, which fall in distinct groups)."""
+        key = self._key(inputs, row)
+        found = [(call, r) for call, gen in enumerate(self.generated) for r in range(gen["completion_ids"].size(0))
+                 if self._key(gen, r) == key]
+        assert len(found) == 1, found
+        return found[0]
+
+    @staticmethod
+    def _key(batch, row):
+        prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()]
+        completion = batch["completion_ids"][row][batch["completion_mask"][row].bool()]
+        ratio = batch["importance_sampling_ratio"][row]
+        return tuple(prompt.tolist()), tuple(completion.tolist()), tuple(ratio.tolist())
+
+
+def _three_of_four_groups_vary(prompts, completions, **kwargs):
+    """Groups 0-2 of every 16-row call alternate 0/1 (qualify); group 3 is constant (dropped)."""
+    return [0.0 if i % 16 >= 12 else float(i % 2) for i in range(len(completions))]
+
+
+def _hand_loss(trainer, call, beta=0.0):
+    """The loss of a recorded call by hand: TRL's clipped token term weighted by the IS ratio, + beta * k3 KL
+    (not weighted), aggregated as the trainer's loss (TRL's grpo: per-sequence token mean; µ-GRPO's stage:
+    token mean over the update's tokens)."""
+    inputs, logp = call["inputs"], call["logps"]
+    ratio, mask = inputs["importance_sampling_ratio"], inputs["completion_mask"].float()
+    old, adv = inputs.get("old_per_token_logps", logp), inputs["advantages"].unsqueeze(1)  # none: on-policy
+    r = torch.exp(logp - old)
+    low, high = 1 - trainer.epsilon_low, 1 + trainer.epsilon_high
+    per_token = -torch.min(r * adv, r.clamp(low, high) * adv) * ratio
+    if beta:
+        ref = inputs["ref_per_token_logps"]
+        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    aggregation = trainer.loss_spec.aggregation
+    if aggregation == "seq_mean_token_mean":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+        return (loss / trainer.current_gradient_accumulation_steps).item(), ((r < low) | (r > high))[mask.bool()]
+    assert aggregation == "token_mean"
+    loss = (per_token * mask).sum() / inputs["num_items_in_update"].clamp(min=1)
+    return loss.item(), ((r < low) | (r > high))[mask.bool()]
+
+
+@pytest.mark.parametrize("shape", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type,beta", [("grpo", 0.0), ("grpo", 0.04), ("dapo", 0.0)])
+def test_vllm_importance_sampling_ratio_weights_each_token_of_our_loss_as_in_trl(
+        loss_type, beta, shape, toy_model_path, small_train_dataset, make_args):
+    """The rule (docs/trl-users.md): with ``vllm_importance_sampling_correction``, TRL's
+    ``importance_sampling_ratio`` multiplies each token's policy term (after the clip, before the KL term), in
+    our loss exactly as in TRL's."""
+    args = make_args(max_steps=1, loss_type=loss_type, beta=beta, reward_cache=False)
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs=position_reward, args=args,
+                                 train_dataset=small_train_dataset)
+    assert trainer.loss_spec is not None  # our loss, not TRL's
+    fake = _FakeVLLMRatio(trainer, shape=shape, old_shift=0.4)
+    trainer.train()
+    (call,) = fake.at_loss
+    inputs, logp = call["inputs"], call["logps"]
+    ratio, mask = inputs["importance_sampling_ratio"], inputs["completion_mask"].float()
+    assert ratio.shape[1] == (1 if shape == "sequence" else mask.size(1))
+    assert ratio.min() == 0.0 and ratio.max() > 1.2  # far from a ratio of 1 everywhere
+    assert call["ours"] == pytest.approx(call["trl"], rel=1e-5, abs=1e-6)  # TRL 1.16's own loss agrees
+    assert abs(call["ours"] - call["ones"]) > 1e-3  # the ratio changes the loss
+    if loss_type == "grpo":  # by hand: the ratio as a per-token weight of the clipped policy term
+        hand, clipped = _hand_loss(trainer, call, beta)
+        assert clipped.any()  # the clip bites on some tokens
+        assert call["ours"] == pytest.approx(hand, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("loop", ["stage", "carry"])
+def test_vllm_importance_sampling_ratio_of_a_stage_or_carried_row_is_the_one_of_its_generation(
+        loop, toy_model_path, small_train_dataset, make_args):
+    """The rule (docs/trl-users.md): a µ-GRPO / stage row and a group carried by dynamic sampling keep the
+    ``importance_sampling_ratio`` of their generating rollout: every row at the loss carries the ratio drawn for
+    it at its generation (looked up by its prompt, completion and that ratio), also at its later updates, and
+    weights its tokens in our loss (by hand; and as TRL's own loss where the aggregation is TRL's grpo)."""
+    if loop == "stage":  # one stage of 8 prompts x 4, µ = 4 updates of 16 rows: every row is trained twice
+        args = make_args(max_steps=4, stage_prompts=8, updates_per_stage=4, reward_cache=False)
+        reward = position_reward
+    else:  # 3 of 4 groups qualify per round, whole-batch top-ups: the first batch carries 2 groups into the next
+        args = make_args(max_steps=2, dynamic_sampling=True, dynamic_sampling_topup="full", reward_cache=False)
+        reward = _three_of_four_groups_vary  # as in test_dapo.py
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs=reward, args=args,
+                                 train_dataset=small_train_dataset)
+    fake = _FakeVLLMRatio(trainer, shape="sequence")
+    trainer.train()
+    seen = {}  # generated row -> the steps it was trained at
+    older = 0  # rows trained at a later step than the one that generated them
+    for call in fake.at_loss:
+        inputs = call["inputs"]
+        assert call["ours"] == pytest.approx(_hand_loss(trainer, call)[0], rel=1e-5, abs=1e-6)
+        if trainer.loss_spec.aggregation == "seq_mean_token_mean":  # TRL's grpo (a stage uses the token mean)
+            assert call["ours"] == pytest.approx(call["trl"], rel=1e-5, abs=1e-6)
+        assert abs(call["ours"] - call["ones"]) > 1e-4
+        for row in range(inputs["completion_ids"].size(0)):
+            seen.setdefault(fake.generation_of(inputs, row), []).append(call["step"])
+    if loop == "stage":
+        assert len(fake.generated) == 1 and len(fake.at_loss) == 4
+        assert len(seen) == 32 and all(len(steps) == 2 for steps in seen.values())  # 2 passes over the stage
+        older = sum(steps[1] > 0 for steps in seen.values())
+    else:
+        assert len(fake.generated) == 3 and len(fake.at_loss) == 2  # rollout calls: step 1 rounds 1-2, step 2
+        carried = [c["inputs"]["carried_rows"] for c in fake.at_loss]
+        assert [int(c.sum()) for c in carried] == [0, 8]
+        # the carried rows (TRL may have shuffled them) were generated by the first step's second round
+        second = fake.at_loss[1]["inputs"]
+        for row in carried[1].nonzero().flatten().tolist():
+            assert fake.generation_of(second, row)[0] == 1
+            older += 1
+    assert older > 0
+
+
 @pytest.mark.parametrize("feature", ["tools", "rollout_func"])
 @pytest.mark.parametrize("loop", [dict(dynamic_sampling=True), dict(stage_prompts=8, updates_per_stage=4)])
 def test_custom_rollouts_with_our_rollout_loops_are_refused(feature, loop, toy_model_path, small_train_dataset,
