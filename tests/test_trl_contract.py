@@ -458,3 +458,31 @@ def test_every_listed_refusal_raises_its_error(index, tmp_path):
     cls = GRPOVariantConfig if refusal.config == "GRPOVariantConfig" else get_variant(refusal.config).config_cls
     with pytest.raises(ConfigError, match=refusal.error.replace("(", r"\(").replace(")", r"\)")):
         cls(output_dir=str(tmp_path), report_to="none", **refusal.example)
+
+
+def test_trl_compat_standins_are_built_by_one_process_at_a_time(tmp_path, monkeypatch):
+    # Two pytest processes (or shards) sharing the cache used to build the same stand-in folder at once and
+    # fail on each other's half-written files: the build is serialised by a lock on the cache folder.
+    import threading
+    import time
+
+    from trl_compat import standins
+
+    monkeypatch.setenv("GRPO_VARIANTS_CACHE", str(tmp_path))
+    order = []
+
+    def builder(tag, hold):
+        with standins._build_lock("models"):
+            order.append(("in", tag))
+            time.sleep(hold)
+            order.append(("out", tag))
+
+    first = threading.Thread(target=builder, args=("a", 0.5))
+    first.start()
+    time.sleep(0.1)
+    second = threading.Thread(target=builder, args=("b", 0.0))
+    second.start()
+    first.join()
+    second.join()
+    assert order == [("in", "a"), ("out", "a"), ("in", "b"), ("out", "b")]
+    assert (tmp_path / "trl_compat" / ".models.lock").exists()

@@ -17,6 +17,8 @@ Built once and cached under ``$GRPO_VARIANTS_CACHE/trl_compat`` (like the toy ki
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.resources
 import importlib.util
@@ -108,8 +110,26 @@ def _build_model(name: str, folder: Path) -> None:
     GenerationConfig(**_GENERATION[template]).save_pretrained(folder)
 
 
+@contextlib.contextmanager
+def _build_lock(what: str):
+    """One builder at a time across processes (two pytest runs, or shards, sharing the cache), so that
+    none reads or renames another's half-written folder; the others wait, then find it built."""
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / f".{what}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def ensure_models() -> Path:
     """Build every stand-in model (once) into a hub-cache folder; return that folder."""
+    with _build_lock("models"):
+        return _ensure_models()
+
+
+def _ensure_models() -> Path:
     hub = hub_cache()
     for name in MODELS:
         repo = hub / f"models--{ORG}--{name}"
@@ -133,6 +153,11 @@ def zen_dir() -> Path:
 
 def ensure_zen() -> Path:
     """Run TRL's generate_zen_dataset.py with push_to_hub saving each config to disk (once)."""
+    with _build_lock("zen"):
+        return _ensure_zen()
+
+
+def _ensure_zen() -> Path:
     target = zen_dir()
     if (target / "done.json").exists():
         return target
