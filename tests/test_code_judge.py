@@ -589,3 +589,11 @@ def test_training_where_every_completion_is_hostile_finishes(toy_model_path, sma
     budgets = reward.reward.last_budgets
     assert len(budgets) == 16 and all(0.5 <= b < 10.0 for b in budgets), budgets
     assert any("time_factor" in x for x in reasons)
+
+
+def test_no_program_free_run_means_the_whole_timeout_said_in_one_line(caplog, monkeypatch):
+    reward = make_code_reward("all", time_factor=4.0, min_timeout=0.5, timeout=3.0)
+    monkeypatch.setattr(reward, "_run_references", lambda *args, **kwargs: None)  # every such run failed
+    with caplog.at_level("WARNING"):
+        assert reward(prompts=["p"], completions=[CORRECT_ADD], tests=[["assert add(1, 2) == 3"]]) == [1.0]
+    assert reward.last_budgets == [3.0] and "no program-free run finished" in caplog.text

@@ -554,6 +554,7 @@ class CodeReward(_NamedReward):
         state.setdefault("min_timeout", 0.5)
         state.setdefault("_ref_seconds", {})
         state.setdefault("last_budgets", [])
+        state.setdefault("_announce", False)
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
@@ -616,7 +617,11 @@ class CodeReward(_NamedReward):
                 where[i] = (len(groups), tag)
                 groups.append(group)
         base = self._run_references(ref_jobs, ref_groups, calibrate=bool(groups) and self.time_factor is not None)
-        if getattr(self, "_announce", False):
+        if base is None and groups and self.time_factor is not None:
+            logger.warning("Reward '%s': no program-free run finished in this call, so each completion gets the whole "
+                           "timeout=%gs instead of %g x that run's time.", self.__name__,
+                           float(self.sandbox_options["timeout"]), self.time_factor)
+        if self._announce:
             self._announce = False
             logger.warning("Reward '%s': timeout=%gs is the ceiling of each completion's budget, which is %g x a "
                            "program-free run's time (at least %g s); pass time_factor=None to give every completion "
