@@ -20,6 +20,11 @@ mean KL per token of the run's last steps and the adaptive run's beta trajectory
     python benchmarks/process_rewards.py --quick                 # pipeline check: 1 seed, tiny budget, temp folder
     python benchmarks/process_rewards.py --arms kl_target --kl-target 0.05 --kl-horizon 32 \
         --stem process_rewards_kl_target_0.05                   # another adaptive-KL setting
+    python benchmarks/process_rewards.py --arms kl_target --kl-target 0.03 --kl-horizon 512 --kl-beta-min 0.04 \
+        --batch 128 --max-steps 40 --budget-tokens 1000000 --eval-problems 500 \
+        --stem process_rewards_kl_target_0.03_h512_min0.04    # ... with beta's start as its floor
+    python benchmarks/process_rewards.py --stem process_rewards_kl \
+        --merge process_rewards_kl_target_0.03_h512_min0.04    # join it to the KL grid (same recipe)
     python benchmarks/process_rewards.py --rewrite               # md / png again from the committed JSON
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import os
 import statistics
 import tempfile
@@ -54,28 +60,50 @@ KL_TARGET = 0.01  # KL per token the adaptive arm aims at
 KL_REWARD = "outcome"  # the supervision arm the KL grid adds beta to: "outcome" or "outcome_process"
 
 
+ADAPTIVE = re.compile(r"kl_target_(?P<target>[0-9.e-]+?)(?:_h(?P<horizon>[0-9.e+]+?))?(?:_min(?P<floor>[0-9.e-]+))?$")
+
+
 def target_of(arm: str) -> float | None:
-    """The KL target of an adaptive arm: ``kl_target`` (this run's ``--kl-target``) or ``kl_target_<t>``
-    (an arm merged in from a run with target t, ``--merge``)."""
+    """The KL target of an adaptive arm: ``kl_target`` (this run's ``--kl-target``) or
+    ``kl_target_<t>[_h<H>][_min<b>]`` (an arm merged in from a run with target t, ``--merge``)."""
     if arm == "kl_target":
         return KL_TARGET
-    if arm.startswith("kl_target_"):
-        return float(arm[len("kl_target_"):].split("_h")[0])
-    return None
+    m = ADAPTIVE.match(arm)
+    return float(m["target"]) if m else None
 
 
 def horizon_of(arm: str, meta: dict) -> float:
     """The horizon of an adaptive arm: ``kl_target_<t>_h<H>`` names its own, else the study's."""
-    return float(arm.split("_h")[1]) if "_h" in arm else meta["kl_horizon"]
+    m = ADAPTIVE.match(arm)
+    return float(m["horizon"]) if m and m["horizon"] else meta["kl_horizon"]
 
 
-def kl_arms(horizon: float) -> dict:
+def floor_of(arm: str, meta: dict) -> float | None:
+    """The lower bound of an adaptive arm's beta (``kl_beta_min``): ``_min<b>`` in its name, else the study's
+    (None: the config's default, 1e-4)."""
+    m = ADAPTIVE.match(arm)
+    return float(m["floor"]) if m and m["floor"] else meta.get("kl_beta_min")
+
+
+def adaptive_name(meta: dict, study: dict) -> str:
+    """The name a study's ``kl_target`` arm takes when merged into ``study``: its target, then its horizon and
+    its beta floor where they differ from the study's."""
+    name = f"kl_target_{meta['kl_target']:g}"
+    if meta["kl_horizon"] != study["kl_horizon"]:
+        name += f"_h{meta['kl_horizon']:g}"
+    if meta.get("kl_beta_min") != study.get("kl_beta_min"):
+        name += f"_min{meta['kl_beta_min']:g}"
+    return name
+
+
+def kl_arms(horizon: float, beta_min: float | None = None) -> dict:
     """The KL grid on the ``KL_REWARD`` supervision arm (its beta = 0 run is that arm itself)."""
     base = SUPERVISION_ARMS[KL_REWARD]
     arms = {f"beta_{b:g}": dict(rewards=list(base["rewards"]), fields={**base["fields"], "beta": b})
             for b in (0.01, 0.04, 0.16)}
     arms["kl_target"] = dict(rewards=list(base["rewards"]),
-                             fields={**base["fields"], "beta": 0.04, "kl_target": KL_TARGET, "kl_horizon": horizon})
+                             fields={**base["fields"], "beta": 0.04, "kl_target": KL_TARGET, "kl_horizon": horizon,
+                                     **({} if beta_min is None else {"kl_beta_min": beta_min})})
     return arms
 
 
@@ -241,7 +269,8 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
                      f"{fmt(s['right_for_wrong_reason_of_right'], s['right_for_wrong_reason_of_right_se'])} | "
                      f"{s['mean_steps']:.2f} | {s['mean_length']:.1f} | {s['steps']:.1f} |")
     lines += ["", f"## KL weight ({KL_REWARD.replace('_', ' + ')} reward)", "",
-              f"| arm | held-out accuracy | KL per token (last third of steps) | final beta |", "|---|---|---|---|"]
+              f"| arm | seeds | held-out accuracy | KL per token (last third of steps) | final beta |",
+              "|---|---|---|---|---|"]
     adaptive = sorted((a for a in summary if target_of(a) is not None), key=target_of)
     for arm in [KL_REWARD] + [a for a in kl_arms(meta["kl_horizon"]) if target_of(a) is None] + adaptive:
         s = summary.get(arm)
@@ -249,8 +278,10 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
             continue
         label = f"beta_0 (= {KL_REWARD})" if arm == KL_REWARD else arm
         if target_of(arm) is not None:
-            label = f"kl_target = {target_of(arm):g} (beta from 0.04, H = {horizon_of(arm, meta):g})"
-        lines.append(f"| {label} | {fmt(s['accuracy'], s['accuracy_se'])} | "
+            floor = floor_of(arm, meta)
+            label = (f"kl_target = {target_of(arm):g} (beta from 0.04, H = {horizon_of(arm, meta):g}"
+                     + ("" if floor is None else f", kl_beta_min = {floor:g}") + ")")
+        lines.append(f"| {label} | {len(s['seeds'])} | {fmt(s['accuracy'], s['accuracy_se'])} | "
                      f"{fmt(s['kl_last_third'], s['kl_last_third_se'], pct=False)} | "
                      f"{'-' if s['final_beta'] is None else format(s['final_beta'], '.4f')} |")
     lines += ["", "## Findings", ""] + [f"- {f}" for f in result["findings"]]
@@ -262,13 +293,21 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
                  if meta["shared"]["per_device_train_batch_size"] != 32 else "")
               + f" --max-steps {meta['max_steps']}"
               + (f" --kl-reward {meta['kl_reward']}" if meta.get("kl_reward", "outcome") != "outcome" else "")
+              + (f" --kl-beta-min {meta['kl_beta_min']:g}" if meta.get("kl_beta_min") is not None else "")
               + (f" --arms {meta['arms']}" if meta.get("arms") else "")
               + (f" --stem {stem}" if stem != "process_rewards" else "") + "`."]
     for m in meta.get("merged", []):
-        lines.append(f"Merged in (`--merge {m['stem']}`): the adaptive arm with target {m['kl_target']:g}, horizon "
-                     f"{m['kl_horizon']:g}, run {m['created']} with the same recipe "
-                     f"(`--kl-target {m['kl_target']:g} --kl-horizon {m['kl_horizon']:g} --arms kl_target "
-                     f"--stem {m['stem']}`).")
+        others = [a for a in (m.get("arms") or "kl_target").split(",") if a != "kl_target"]
+        lines.append(f"Merged in (`--merge {m['stem']}`): "
+                     + (f"seeds {','.join(map(str, m['seeds']))} of {', '.join(others)} and " if others else "")
+                     + f"the adaptive arm with target {m['kl_target']:g}, horizon "
+                     f"{m['kl_horizon']:g}"
+                     + ("" if m.get("kl_beta_min") is None else f", beta floor {m['kl_beta_min']:g}")
+                     + f", run {m['created']} with the same recipe "
+                     f"(`--kl-target {m['kl_target']:g} --kl-horizon {m['kl_horizon']:g} "
+                     + ("" if m.get("kl_beta_min") is None else f"--kl-beta-min {m['kl_beta_min']:g} ")
+                     + (f"--seeds {','.join(map(str, m['seeds']))} " if m.get("seeds", [0, 1, 2]) != [0, 1, 2] else "")
+                     + f"--arms {m.get('arms') or 'kl_target'} --stem {m['stem']}`).")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -293,10 +332,12 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
         axes[1].bar(range(len(karms)), [100 * summary[a]["accuracy"] for a in karms],
                     yerr=[100 * (summary[a]["accuracy_se"] or 0) for a in karms], color="tab:green")
         axes[1].axhline(100 * start["accuracy"], color="gray", ls="--")
-        axes[1].set_xticks(list(range(len(karms))), ["beta_0" if a == KL_REWARD else a for a in karms], rotation=15)
+        axes[1].set_xticks(list(range(len(karms))), ["beta_0" if a == KL_REWARD else a for a in karms],
+                           rotation=30 if len(karms) > 6 else 15, ha="right", fontsize=7 if len(karms) > 6 else 9)
         axes[1].set_ylabel("held-out accuracy %")
         axes[1].set_title("KL weight")
-        colors = ("tab:purple", "tab:brown", "tab:olive")
+        colors = ("tab:purple", "tab:brown", "tab:olive", "tab:cyan", "tab:orange", "tab:pink", "tab:blue",
+                  "tab:red")
         for k, arm in enumerate(sorted((a for a in summary if target_of(a) is not None), key=target_of)):
             color = colors[k % len(colors)]
             for r in result["runs"]:
@@ -304,9 +345,10 @@ def write_outputs(result: dict, out: Path, stem: str) -> None:
                     axes[2].plot(r["beta_trajectory"], color=color, alpha=0.7)
                     kl = [x if x is not None else float("nan") for x in r["kl_trajectory"]]
                     axes[2].plot([x * 4 for x in kl], color=color, alpha=0.35, ls=":")
-            axes[2].axhline(4 * target_of(arm), color=color, ls="--", label=f"target {target_of(arm):g}")
-        axes[2].legend(fontsize=8)
-        axes[2].set_title("adaptive: beta (solid), 4 x KL (dotted), 4 x target (dashed)")
+            axes[2].axhline(4 * target_of(arm), color=color, ls="--", label=arm)
+        axes[2].legend(fontsize=6 if len(karms) > 6 else 8)
+        axes[2].set_yscale("log")
+        axes[2].set_title("adaptive: beta (solid), 4 x KL (dotted), 4 x target (dashed); log", fontsize=9)
         axes[2].set_xlabel("optimizer step")
         fig.tight_layout()
         fig.savefig(out / f"{stem}.png", dpi=90)
@@ -363,9 +405,12 @@ def findings(summary: dict) -> list[str]:
             best = max(fixed, key=lambda a: get(a))
             gap = get(arm) - get(best)
             within = abs(gap) <= max(se(best), se(arm))
+            joint = math.sqrt(se(best) ** 2 + se(arm) ** 2)
             closest = min(fixed[1:] or fixed, key=lambda a: abs(math.log((get(a, "kl_last_third") or 1e-9) / kl)))
             out.append(f"{arm}: {100 * get(arm):.1f}% vs best fixed ({best}) {100 * get(best):.1f}%: "
-                       f"{'within' if within else 'not within'} one standard error ({100 * gap:+.1f} points); "
+                       f"{'within' if within else 'not within'} one standard error ({100 * gap:+.1f} points; s.e. "
+                       f"{100 * se(arm):.1f} over {len(summary[arm]['seeds'])} seeds vs {100 * se(best):.1f} over "
+                       f"{len(summary[best]['seeds'])}; joint s.e. {100 * joint:.1f}); "
                        + kl_text + f"; the fixed beta with the nearest KL is {closest} ("
                        f"KL {get(closest, 'kl_last_third') or 0:.4f}, accuracy {100 * get(closest):.1f}%).")
         else:
@@ -382,6 +427,8 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--kl-horizon", type=float, default=64.0)
     parser.add_argument("--kl-target", type=float, default=0.01, help="KL per token the adaptive arm aims at")
+    parser.add_argument("--kl-beta-min", type=float, default=None,
+                        help="the adaptive arm's lower bound on beta (kl_beta_min; default: the config's, 1e-4)")
     parser.add_argument("--batch", type=int, default=SHARED["per_device_train_batch_size"],
                         help="completions per optimizer step (prompts x G = 8)")
     parser.add_argument("--kl-reward", default="outcome", choices=("outcome", "outcome_process"),
@@ -411,14 +458,14 @@ def main() -> None:
             if extra["initial"]["accuracy"] != result["initial"]["accuracy"]:
                 raise SystemExit(f"--merge {other}: another start policy (initial accuracy differs)")
             for blob in (result, extra):  # name every adaptive arm by its target (and horizon, if another)
-                h = blob["meta"]["kl_horizon"]
                 for run in blob["runs"]:
                     if run["arm"] == "kl_target":
-                        run["arm"] = f"kl_target_{blob['meta']['kl_target']:g}" + (
-                            "" if h == result["meta"]["kl_horizon"] else f"_h{h:g}")
+                        run["arm"] = adaptive_name(blob["meta"], result["meta"])
             result["runs"] += extra["runs"]
             result["meta"].setdefault("merged", []).append(
                 {"stem": other, "kl_target": extra["meta"]["kl_target"], "kl_horizon": extra["meta"]["kl_horizon"],
+                 "kl_beta_min": extra["meta"].get("kl_beta_min"), "arms": extra["meta"].get("arms"),
+                 "seeds": extra["meta"]["seeds"],
                  "created": extra["meta"]["created"],
                  "wall_seconds": extra["meta"]["wall_seconds"]})
         result["summary"] = summarise(result["runs"])
@@ -448,7 +495,7 @@ def main() -> None:
     initial = evaluate_traces(AutoModelForCausalLM.from_pretrained(kit.model_path), tokenizer,
                               kit.eval_dataset.select(range(args.eval_problems)), kit.max_completion_length)
     print(f"[process_rewards] start: {initial}", flush=True)
-    arms = {**SUPERVISION_ARMS, **kl_arms(args.kl_horizon)}
+    arms = {**SUPERVISION_ARMS, **kl_arms(args.kl_horizon, args.kl_beta_min)}
     if args.arms:
         arms = {k: v for k, v in arms.items() if k in args.arms.split(",")}
     out = Path(args.out)
@@ -463,6 +510,7 @@ def main() -> None:
                 "meta": {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "seeds": seeds,
                          "budget_tokens": args.budget_tokens, "max_steps": args.max_steps,
                          "eval_problems": args.eval_problems, "kl_horizon": args.kl_horizon,
+                         "kl_beta_min": args.kl_beta_min,
                          "arms": args.arms,
                          "kl_target": KL_TARGET, "kl_reward": KL_REWARD, "shared": SHARED, "threads": torch.get_num_threads(),
                          "wall_seconds": round(time.perf_counter() - t0, 1)},

@@ -244,7 +244,13 @@ class GRPOVariantConfig(GRPOConfig):
     kl_horizon: float = field(
         default=10000.0, metadata={"help": "Adaptive KL horizon H in sequences (Ziegler's 10000)."}
     )
-    kl_beta_min: float = field(default=1e-4, metadata={"help": "Lower bound of the adaptive beta."})
+    kl_beta_min: float = field(
+        default=1e-4,
+        metadata={
+            "help": "Lower bound of the adaptive beta. kl_beta_min=beta keeps the start as a floor: the first "
+            "on-policy steps measure KL ~0 and would otherwise lower beta just as the policy starts to move."
+        },
+    )
     kl_beta_max: float = field(default=10.0, metadata={"help": "Upper bound of the adaptive beta."})
 
     # ---- rewards ---------------------------------------------------------------------------

@@ -222,6 +222,12 @@ class AdaptiveKLMixin:
                     "Use kl_horizon >= %d for at most 50%%.", n, args.kl_horizon, 100 * 0.2 * n / args.kl_horizon,
                     int(0.4 * n) + 1,
                 )
+            if args.kl_beta_min < args.beta:
+                logger.warning(
+                    "kl_target: beta may fall from its start %g toward kl_beta_min=%g while the measured KL is below "
+                    "the target, as it is in the first on-policy steps (KL ~0); kl_beta_min=%g keeps the start as a "
+                    "floor (docs/algorithms.md, 'Adaptive KL coefficient').", args.beta, args.kl_beta_min, args.beta,
+                )
 
     @property
     def kl_beta(self) -> float:

@@ -442,6 +442,30 @@ def test_kl_target_warns_when_one_step_can_collapse_beta(toy_model_path, small_t
     assert "change by up to 80%" in caplog.text and "kl_horizon >= 7" in caplog.text
 
 
+def test_kl_beta_min_at_the_start_keeps_beta_through_the_first_on_policy_steps(toy_model_path, small_train_dataset,
+                                                                                make_args, caplog):
+    """The bounded rule: with kl_beta_min = beta the first step (KL ~0 < target) cannot lower beta; without it the
+    trainer says in one line that beta may fall."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="grpo_variants.process"):
+        trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
+                                     args=make_args(max_steps=3, beta=0.04, kl_target=1e-6, kl_horizon=16,
+                                                    kl_beta_min=0.04))
+    assert "may fall" not in caplog.text
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
+    # step 1: e = -0.2 -> 0.04 x 0.8, clamped to the floor 0.04; steps 2-3: KL >> 1e-6, e = +0.2 -> x 1.2
+    assert [r["kl_ctl/beta"] for r in logs] == pytest.approx([0.04, 0.04, 0.048])
+    assert trainer.kl_beta == pytest.approx(0.04 * 1.2 * 1.2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo_variants.process"):
+        GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
+                           args=make_args(beta=0.04, kl_target=0.01, kl_horizon=10000))
+    assert "beta may fall from its start 0.04 toward kl_beta_min=0.0001" in caplog.text
+    assert "kl_beta_min=0.04 keeps the start" in caplog.text
+
+
 @pytest.mark.parametrize("name", ["grpo", "dapo"])
 def test_step_rewards_with_padding_free_give_the_padded_loss(name, toy_model_path, small_train_dataset, make_args):
     """Two features meeting: per-token advantages (process supervision) and the packed forward. The same rollout,
