@@ -487,3 +487,30 @@ def test_step_rewards_with_padding_free_give_the_padded_loss(name, toy_model_pat
         trainer.args.padding_free = False
         padded = trainer._compute_loss(trainer.model, inputs)
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_study_names_merged_adaptive_arms_by_target_horizon_and_floor(monkeypatch):
+    """benchmarks/process_rewards.py --merge: an adaptive arm's name carries what differs from the study (target,
+    horizon, beta floor) and parses back; every adaptive arm of the committed KL grid parses."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("bench_process_rewards", bench / "process_rewards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    study = {"kl_horizon": 128.0, "kl_beta_min": None}
+    for meta, name in (({"kl_target": 0.03, "kl_horizon": 128.0}, "kl_target_0.03"),
+                       ({"kl_target": 0.03, "kl_horizon": 512.0}, "kl_target_0.03_h512"),
+                       ({"kl_target": 0.03, "kl_horizon": 512.0, "kl_beta_min": 0.04}, "kl_target_0.03_h512_min0.04"),
+                       ({"kl_target": 1e-05, "kl_horizon": 128.0, "kl_beta_min": 0.04}, "kl_target_1e-05_min0.04")):
+        assert module.adaptive_name(meta, study) == name
+        assert module.target_of(name) == meta["kl_target"]
+        assert module.horizon_of(name, study) == meta["kl_horizon"]
+        assert module.floor_of(name, study) == meta.get("kl_beta_min")
+    assert module.target_of("beta_0.04") is None and module.target_of("outcome") is None
+    grid = json.loads((bench / "results" / "process_rewards_kl.json").read_text())
+    adaptive = [arm for arm in grid["summary"] if arm.startswith("kl_target")]
+    assert len(adaptive) >= 7 and all(module.target_of(arm) is not None for arm in adaptive)
