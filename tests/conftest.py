@@ -132,14 +132,21 @@ def _release_memory() -> None:
         pass
 
 
+_PEAK = {"rss": 0, "test": None}  # this process's peak RSS so far and the test during which it was reached
+
+
 @pytest.fixture(autouse=True)
-def _release_models_after_each_test():
+def _release_models_after_each_test(request):
     """A test's models, trainers and optimizers are garbage once it ends; free them before the next test.
 
     Trainers hold reference cycles (callbacks <-> trainer), so without a collection a worker carries the
-    last tests' models into the next one and its peak grows with test order.
+    last tests' models into the next one and its peak grows with test order. Also notes which test raised
+    the process's peak memory (printed in the summary).
     """
     yield
+    peak = _peak_rss_bytes()
+    if peak > _PEAK["rss"]:
+        _PEAK.update(rss=peak, test=request.node.nodeid)
     import psutil
 
     if psutil.Process().memory_info().rss > 1 << 30:  # only when there is something worth freeing (>1 GB)
@@ -176,6 +183,7 @@ def pytest_sessionfinish(session):
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: hand its peak to the controller
         workeroutput["peak_rss"] = _peak_rss_bytes()
+        workeroutput["peak_test"] = _PEAK["test"]
 
 
 _WORKER_PEAKS: dict = {}
@@ -183,14 +191,15 @@ _WORKER_PEAKS: dict = {}
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    peak = getattr(node, "workeroutput", {}).get("peak_rss")
-    if peak is not None:
-        _WORKER_PEAKS[node.gateway.id] = peak
+    output = getattr(node, "workeroutput", {})
+    if output.get("peak_rss") is not None:
+        _WORKER_PEAKS[node.gateway.id] = (output["peak_rss"], output.get("peak_test"))
 
 
 def pytest_terminal_summary(terminalreporter):
-    peaks = dict(_WORKER_PEAKS) or {"main": _peak_rss_bytes()}
-    parts = ", ".join(f"{name} {value / 2**30:.2f} GB" for name, value in sorted(peaks.items()))
-    worst = max(peaks.values()) / 2**30
+    peaks = dict(_WORKER_PEAKS) or {"main": (_peak_rss_bytes(), _PEAK["test"])}
+    parts = ", ".join(f"{name} {value / 2**30:.2f} GB" + (f" (reached in {test})" if test else "")
+                      for name, (value, test) in sorted(peaks.items()))
+    worst = max(value for value, _ in peaks.values()) / 2**30
     verdict = "within" if worst <= MEMORY_LIMIT_GB else "ABOVE"
     terminalreporter.write_line(f"peak RSS per pytest process: {parts} ({verdict} the {MEMORY_LIMIT_GB:.0f} GB limit)")
