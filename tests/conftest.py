@@ -157,20 +157,41 @@ SHUFFLE_ENV = "GRPO_VARIANTS_TEST_SHUFFLE"  # an integer seed: run the tests in 
 
 
 def pytest_report_header(config):
+    for item in items:
+        if _launches_processes(item):  # one launch at a time across the workers (make test: --dist loadgroup)
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))
     seed = os.environ.get(SHUFFLE_ENV)
     if seed:
         return f"test order shuffled with seed {seed} ({SHUFFLE_ENV}={seed} reproduces it)"
     return None
 
 
+# Modules whose tests (or module fixtures) launch 2-rank trainings: their module fixtures then run once, on one
+# worker, and no two launches oversubscribe the 2 cores side by side.
+MULTIPROCESS_MODULES = {"test_zero3", "test_zero3_launch", "test_padding_free_zero3"}
+
+
+def _launches_processes(item) -> bool:
+    module = getattr(item, "module", None)
+    if module is not None and module.__name__.rsplit(".", 1)[-1] in MULTIPROCESS_MODULES:
+        return True
+    if "two_processes" in item.name and item.get_closest_marker("slow"):
+        return True
+    block = getattr(getattr(item, "callspec", None), "params", {}).get("block")  # a doc snippet's command
+    return "--num_processes" in str(getattr(block, "code", ""))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Slow tests first: with two workers, the long tests start early instead of one worker finishing last
+    """Multi-process launches in one xdist group (see ``MULTIPROCESS_MODULES``). Slow tests first: with two workers, the long tests start early instead of one worker finishing last
     with a multi-minute test while the other idles. Order within each class is kept (stable sort).
 
     With ``$GRPO_VARIANTS_TEST_SHUFFLE`` set (CI's portability pass sets it), the order is a shuffle seeded by
     it (the same in every xdist worker, which xdist requires): a test that relies on another's leftovers
     fails there.
     """
+    for item in items:
+        if _launches_processes(item):  # one launch at a time across the workers (make test: --dist loadgroup)
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))
     seed = os.environ.get(SHUFFLE_ENV)
     if seed:
         import random
