@@ -655,6 +655,9 @@ class CodeReward(_NamedReward):
                         why = self._killed_by_budget(budget)
                     units.append((kind, label, why))
                 if s.reference_failed is not None:
+                    logger.warning("Reward '%s': the program-free reference run "
+                                    "of a test file failed (%s); its tests count as failed.", self.__name__,
+                                    s.reference_failed)
                     units.append(("fail", "the tests", f"the reference run failed ({s.reference_failed}; not "
                                                        f"the program's fault)"))
         for case in t.cases:
@@ -662,7 +665,7 @@ class CodeReward(_NamedReward):
             if left < 0.05:
                 res = SandboxResult(None, "", "wall-clock budget of the group spent", True, "timeout", 0.0)
             else:
-                res = run_in_sandbox(program, stdin=case.input, **{**self.sandbox_options, "timeout": min(ceiling, left)})
+                res = self.pool.run(program, stdin=case.input, timeout=min(ceiling, left))
                 used += res.duration
             results.append(res)
             ok = res.ok and judge.stdout_matches(res.stdout, case.output)
