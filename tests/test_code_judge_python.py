@@ -161,11 +161,11 @@ PYTHON = {
                 self.assertEqual(add(1, 2), 3)
         """), 0.0),
     "an object of the program is never compared": (
-        "class Always:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
-        "def f():\n    return Always()\n", "assert f() == 3", 0.0),
+        ("class Always:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+         "def f():\n    return Always()\n"), "assert f() == 3", 0.0),
     "a handle's methods go to the program": (
-        "class Stack:\n    def __init__(self):\n        self.x = []\n    def push(self, v):\n        self.x.append(v)\n"
-        "    def pop(self):\n        return self.x.pop()\n",
+        ("class Stack:\n    def __init__(self):\n        self.x = []\n    def push(self, v):\n        self.x.append(v)\n"
+         "    def pop(self):\n        return self.x.pop()\n"),
         "s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert len(s.x) == 1", 1.0),
     "except what the program raises": ("def f(x):\n    raise ValueError('no')\n",
                                        "try:\n    f(1)\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok",

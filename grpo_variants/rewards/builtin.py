@@ -440,41 +440,44 @@ def extract_code(text: str) -> str:
 
 
 class CodeReward(_NamedReward):
-    """Runs the completion's program against the dataset's ``tests`` column in the sandbox, and judges
-    the values it sends back *outside* it.
+    """Runs the completion's program against the dataset's ``tests`` column in the sandbox: the tests run
+    as Python in a program-free sandbox, the program (in its own sandbox) only answers calls.
 
     The program is the last ```python block (else any fenced block, else the whole text). ``tests``
-    holds assert statements (a list, or one string of test code with setup lines) and/or stdin/stdout
-    cases (``{"input", "output"}`` items, or ``{"inputs": [...], "outputs": [...]}``); the supported
-    forms are listed in :mod:`grpo_variants.rewards.judge`. Each sample's asserts are split into a
-    *program run* (the program and what the program sides need) and a program-free *reference run*
-    (the expected sides, cached per distinct test once it ran to completion); this process compares the
-    values. Nothing that is or leads to an expected value is in the program's process.
+    holds test code (a list of strings joined into one file, or one string: asserts, HumanEval's
+    ``check(candidate)``, unittest classes, pytest-style ``test_*`` functions) and/or stdin/stdout cases
+    (``{"input", "output"}`` items, or ``{"inputs": [...], "outputs": [...]}``); see
+    :mod:`grpo_variants.rewards.judge`. The test file runs unmodified in the *tests' process*, every name of
+    the program bound to a stub; a call sends its arguments, as values, to the program and gets back the
+    return value and the arguments after the call. Nothing else crosses, so no expected value is ever in
+    the program's process; Python itself decides every test.
 
     ``mode="all"``: 1.0 when every test passes, else 0.0; ``mode="fraction"``: the fraction that
-    pass. A sample without tests scores None. ``on_unsupported`` (a test the judge cannot decide without
-    showing the program an expected value or trusting its interpreter): ``"error"`` (a DatasetError
-    naming the test and why), ``"fail"`` (the test counts as failed) or ``"skip"`` (it is left out of
-    the count; a sample with only such tests scores None); both log "unsupported test" once per test and
-    count it in ``last_unsupported``.
+    pass (each top-level statement holding an assert, each unittest method, each uncalled ``test_*``
+    function, each stdin/stdout case is one test; a setup statement that fails counts as one failed test).
+    A sample without tests scores None. ``on_unsupported`` (a test that passes the program something that
+    is not data, or an item that does not parse): ``"error"`` (a DatasetError naming the test and why),
+    ``"fail"`` (the test counts as failed) or ``"skip"`` (it is left out of the count; a sample with only
+    such tests scores None); the last two log "unsupported test" once per test, all count it in
+    ``last_unsupported``.
 
-    **Time.** All of one completion's runs (its assert run and every stdin/stdout case) share one
-    wall-clock budget, relative to a program-free run on this machine *now*, as a judge's time limit is
-    a multiple of its reference solution's time::
+    **Time.** A completion's budget is of the program's *own* time (its sandbox's start-up, the time it
+    takes to answer the calls, and its stdin/stdout runs), never the tests' time, relative to a
+    program-free run on this machine *now*, as a judge's time limit is a multiple of its reference
+    solution's time::
 
-        budget = min(timeout, max(min_timeout, time_factor * (t_ref + n_cases * t_base)))
+        budget = min(timeout, max(min_timeout, time_factor * n_runs * t_base))
 
-    ``t_base`` is the wall time of the fastest program-free run of this call (the reference runs, or one
-    calibration run when they are all cached): the sandbox's start-up under the machine's current load;
-    ``t_ref = max(t_base, the wall time of that sample's reference run)``, which also carries the cost of
-    the expected sides (a reference implementation called in the test). The reference runs go first, alone,
-    so a hostile program never shares the machine with them. Defaults: ``time_factor=4``,
-    ``min_timeout=0.5`` s, ``timeout=10`` s (the ceiling); ``time_factor=None`` gives every completion
-    the whole ``timeout``. A program that does real work beyond its tests' reference (a stdin/stdout task,
-    a test with literal expected values on a costly function) needs a larger ``time_factor`` or ``None``.
+    ``t_base`` is the start-up time of this call's fastest program-free sandbox (the tests' processes, or
+    one calibration run when there is no test code), ``n_runs`` is 1 for the test file plus one per
+    stdin/stdout case. Defaults: ``time_factor=4``, ``min_timeout=0.5`` s, ``timeout=10`` s (the
+    ceiling); ``time_factor=None`` gives every completion the whole ``timeout``. A program that does real
+    work beyond what a sandbox start costs needs a larger ``time_factor`` or ``None``. Whatever either
+    side does, one completion's test file ends within ``timeout`` (every wait of the relay has a deadline).
     ``last_budgets`` holds each completion's budget; a time-out reason names it. ``test_timeout`` bounds
-    each probe (SIGALRM). Why each completion lost points is in ``last_reasons``. Programs run in parallel
-    in a :class:`SandboxPool`; ``sandbox_options`` go to :func:`run_in_sandbox` (timeout, memory_mb, ...).
+    each call into the program (SIGALRM there) and each test's own CPU time in the tests' process. Why each
+    completion lost points is in ``last_reasons``. Completions are judged in parallel in a
+    :class:`SandboxPool`'s threads; ``sandbox_options`` go to :func:`run_in_sandbox` (timeout, memory_mb, ...).
     """
 
     def __init__(
