@@ -8,6 +8,7 @@ score what ``python program.py && python tests.py`` gives."""
 from __future__ import annotations
 
 import textwrap
+import time
 
 import pytest
 
@@ -204,3 +205,21 @@ def test_partial_credit_per_test_and_what_is_refused():
     assert fail(prompts=["p"], completions=[CORRECT], tests=[refused]) == [0.5] and fail.last_unsupported == 1
     skip = make_code_reward("fraction", on_unsupported="skip")
     assert skip(prompts=["p"], completions=[CORRECT], tests=[refused]) == [1.0]
+
+
+def test_the_trainer_waits_no_longer_than_the_budget_whatever_the_program_does():
+    stall_in_call = ("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+                     "def add(a, b):\n    while True:\n        pass\n")
+    sleep_in_call = "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\ndef add(a, b):\n" \
+                    "    time.sleep(60)\n"
+    stall_at_import = "while True:\n    pass\n"
+    closes_its_pipes = "import os\nfor fd in range(3, 64):\n    try:\n        os.close(fd)\n    except OSError:\n" \
+                       "        pass\ndef add(a, b):\n    return a + b\n"
+    completions = [stall_in_call, sleep_in_call, stall_at_import, closes_its_pipes, CORRECT]
+    reward = make_code_reward("all", max_workers=len(completions), time_factor=2.0, min_timeout=0.5)
+    t = time.monotonic()
+    out = reward(prompts=["p"] * 5, completions=completions, tests=[["assert add(1, 2) == 3"]] * 5)
+    took = time.monotonic() - t
+    assert out == [0.0, 0.0, 0.0, 0.0, 1.0], reward.last_reasons
+    budget = max(reward.last_budgets)
+    assert budget < 10.0 and took < budget * 1.5 + 1.0 + 2.0, (took, budget)  # start-up + budget + 1 s, not 10 s

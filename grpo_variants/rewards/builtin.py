@@ -563,8 +563,9 @@ class CodeReward(_NamedReward):
             if t.empty:
                 logger.warning("Reward '%s': sample %d has no tests; it scores None.", self.__name__, i)
                 continue
-            for item, why in t.unparsable:
-                self._unsupported(i, why, item)
+            if t.unparsable and self.on_unsupported == "error":  # known before anything runs
+                raise DatasetError(self._unsupported(i, t.unparsable[0][1], t.unparsable[0][0]) + " Rewrite the "
+                                   "test, or pass on_unsupported='fail' (counts it failed) or 'skip' (leaves it out).")
             parsed[i] = t
         todo = [i for i, t in enumerate(parsed) if t is not None and (t.source is not None or t.cases)]
         n_files = sum(parsed[i].source is not None for i in todo)

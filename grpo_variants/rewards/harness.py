@@ -18,11 +18,8 @@ compare (:func:`encode` / :func:`decode`), bounded in depth and element count.
 
 from __future__ import annotations
 
-import ast
 import builtins
 import collections
-import decimal
-import fractions
 import json
 import os
 import signal
@@ -87,9 +84,12 @@ def encode(v, other, d=0, n=None):
         return {"c": [complex(v).real, complex(v).imag]}
     if isinstance(v, collections.deque):
         return {"q": [[e(x) for x in v], v.maxlen]}
-    if isinstance(v, fractions.Fraction):
+    # A Fraction or Decimal exists only where its module was imported (not imported here: a program's start-up
+    # stays as cheap as it was before the harness).
+    fr, dec = sys.modules.get("fractions"), sys.modules.get("decimal")
+    if fr is not None and isinstance(v, getattr(fr, "Fraction", ())):
         return {"F": [e(v.numerator), e(v.denominator)]}
-    if isinstance(v, decimal.Decimal):
+    if dec is not None and isinstance(v, getattr(dec, "Decimal", ())):
         return {"D": str(v)}
     if isinstance(v, range):
         return {"r": [e(v.start), e(v.stop), e(v.step)]}
@@ -151,8 +151,12 @@ def decode(o, resolve, d=0, n=None):
     if tag == "q" and type(p) is list and len(p) == 2 and (p[1] is None or type(p[1]) is int):
         return collections.deque(decode(p[0], resolve, d + 1, n) if type(p[0]) is list else _bad(), p[1])
     if tag == "F" and type(p) is list and len(p) == 2:
+        import fractions
+
         return fractions.Fraction(*[_int(de(x)) for x in p])
     if tag == "D" and type(p) is str and len(p) < 10_000:
+        import decimal
+
         return decimal.Decimal(p)
     if tag == "r" and type(p) is list and len(p) == 3:
         return range(*[_int(de(x)) for x in p])
@@ -498,6 +502,8 @@ class _UnitTimeout(BaseException):
 
 
 def _contains_test(node, testfuncs):
+    import ast
+
     return any(isinstance(n, ast.Assert) or (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                                              and n.func.id in testfuncs) for n in ast.walk(node))
 
@@ -506,6 +512,7 @@ def run_test_file(pipe, source, test_timeout):
     """Run one test file (in the reference child); ``U`` lines say each test's result."""
     global _T
     _T = t = _TestRun(pipe)
+    import ast
     import unittest
 
     unittest.main = lambda *a, **k: None  # the TestCases run below, one test each
@@ -608,6 +615,14 @@ def serve_tests():
     pipe = Pipe(0, 1)
     null = os.open(os.devnull, os.O_RDWR)
     os.write(1, b"READY\n")
+    # What test files import, imported once here: each forked child has them (a test file's cost stays its own).
+    import ast  # noqa: F401
+    import decimal  # noqa: F401
+    import fractions  # noqa: F401
+    import math  # noqa: F401
+    import re  # noqa: F401
+    import unittest  # noqa: F401
+
     while True:
         line = pipe.readline()
         if line is None:
