@@ -223,12 +223,17 @@ def run_session(program: str, source: str, ref: ReferenceServer, *, run_options:
     def spent(start: float) -> None:
         s.program_seconds += time.monotonic() - start
 
-    manifest = ch.readline(charge(True))
-    spent(t0)
-    if manifest is None or not _manifest_ok(manifest):
-        lose("spent its time budget before it was ready" if s.program_seconds >= budget - 1e-3 else
-             "sent no result (it crashed, was killed or garbled its result stream)")
-        manifest = json.dumps({"program": s.gone, "names": {}}).encode()
+    manifest = None
+
+    def ready() -> bytes:  # the program's manifest: its start-up is charged from t0, while the tests' run forks
+        line = ch.readline(min(end, t0 + budget))
+        spent(t0)
+        if line is None or not _manifest_ok(line):
+            lose("spent its time budget before it was ready" if s.program_seconds >= budget - 1e-3 else
+                 "sent no result (it crashed, was killed or garbled its result stream)")
+            line = json.dumps({"program": s.gone, "names": {}}).encode()
+        return line
+
     try:
         if not ref.channel.write(b"N" + json.dumps([source, float(test_timeout)]).encode() + b"\n", end):
             s.reference_failed = "the tests' process did not take the file"
@@ -245,6 +250,7 @@ def run_session(program: str, source: str, ref: ReferenceServer, *, run_options:
                 except ValueError:
                     req = None
                 if isinstance(req, dict) and req.get("o") == "hello":
+                    manifest = manifest or ready()
                     answer = b"R" + manifest
                 elif s.gone:
                     answer = b"X" + s.gone.encode()
