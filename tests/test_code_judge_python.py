@@ -168,6 +168,10 @@ PYTHON = {
         ("class Stack:\n    def __init__(self):\n        self.x = []\n    def push(self, v):\n        self.x.append(v)\n"
          "    def pop(self):\n        return self.x.pop()\n"),
         "s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert len(s.x) == 1", 1.0),
+    "the program's import math serves the tests": ("import math\ndef f(x):\n    return math.sqrt(x)\n",
+                                                    "assert math.isclose(f(4), 2.0)", 1.0),
+    "a module under another name stays the program's": ("import os as math\ndef f(x):\n    return 2.0\n",
+                                                         "assert math.floor(f(4)) == 2", 0.0),
     "except what the program raises": ("def f(x):\n    raise ValueError('no')\n",
                                        "try:\n    f(1)\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok",
                                        1.0),

@@ -17,13 +17,12 @@ Registered names: ``math_accuracy`` (+1/0), ``math_accuracy_pm1`` (+1/-1), ``for
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import re
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from grpo_variants.errors import ConfigError, DatasetError, RewardFunctionError
 from grpo_variants.rewards.math_verify_utils import (
