@@ -175,6 +175,8 @@ PYTHON = {
     "pytest style (correct)": (CORRECT, "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n", 1.0),
     "pytest style (wrong)": ("def add(a, b):\n    return 0\n",
                              "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n", 0.0),
+    "a program's builtin stays the program's": ("def sorted(x):\n    return [0]\ndef f(x):\n    return [0]\n",
+                                                "x = [3, 1]\nassert f(x) == sorted(x)", 0.0),
     "except what the program raises": ("def f(x):\n    raise ValueError('no')\n",
                                        "try:\n    f(1)\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok",
                                        1.0),

@@ -531,6 +531,8 @@ def run_test_file(pipe, source, test_timeout):
     for name, d in manifest.get("names", {}).items():
         if not isinstance(name, str) or not name.isidentifier() or _is_dunder(name) or not isinstance(d, dict):
             continue
+        if hasattr(builtins, name):  # the tests' builtins stay Python's: a program's ``sorted = ...`` is not theirs
+            continue
         try:
             # A standard module under its own name (``import math``; ``import os.path`` binds ``os``), a standard
             # exception class: the tests' process gets the real one. Any other object of the program (its
