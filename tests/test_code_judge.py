@@ -485,6 +485,10 @@ def test_a_reference_run_past_the_timeout_fails_its_tests_and_is_said(caplog):
     with caplog.at_level("WARNING"):
         assert quick(prompts=["p"], completions=[CORRECT_ADD], tests=[[slow]]) == [0.0]
     assert "reference run" in caplog.text and "not the program's fault" in quick.last_reasons[0][-1]
+    # Within one call the failed tests' process is replaced: the next completion is judged by a fresh one.
+    one = make_code_reward("all", timeout=1.5, test_timeout=10, max_workers=1)
+    assert one(prompts=["p"] * 2, completions=[CORRECT_ADD] * 2, tests=[[slow], ["assert add(1, 2) == 3"]]) == \
+        [0.0, 1.0], one.last_reasons
     quick.sandbox_options["timeout"] = 10.0
     quick._pool = None
     assert quick(prompts=["p"], completions=[CORRECT_ADD], tests=[[slow]]) == [1.0]
