@@ -8,7 +8,10 @@ fresh interpreter with that tree first on ``sys.path``; before and after alterna
 measurement serial and pool alternate which goes first. The result is the after/before ratio of the
 medians (timings on a shared machine are noisy; the ratio is the result, not the seconds).
 
-    python benchmarks/code_reward_throughput.py [--reps 3] [--before-ref df418de] [--quick]
+    python benchmarks/code_reward_throughput.py [--reps 3] [--before-ref d69f207] [--quick]
+
+``d69f207`` is the last tree with the static planner (issue #37 replaced it by the tests running as Python
+in a program-free process; the program answers calls).
 
 Writes benchmarks/results/code_reward.json and benchmarks/results/code_reward.md.
 """
@@ -93,8 +96,8 @@ def _measure(tree: Path, rep: int) -> dict:
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--before-ref", default="df418de", help="git ref of the 'before' sandbox (default: the "
-                    "commit before the judge/bubblewrap change)")
+    ap.add_argument("--before-ref", default="d69f207", help="git ref of the 'before' tree (default: the last "
+                    "commit with the static planner, before issue #37)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quick", action="store_true", help="one repetition, results printed, not written")
     args = ap.parse_args()

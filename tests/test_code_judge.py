@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 
 from grpo_variants.errors import ConfigError
-from grpo_variants.rewards import judge, make_code_reward, run_in_sandbox, sandbox_capabilities
+from grpo_variants.rewards import harness, make_code_reward, run_in_sandbox, sandbox_capabilities
 from grpo_variants.rewards import seccomp
-from grpo_variants.rewards.builtin import CodeReward, extract_code
-from grpo_variants.rewards.sandbox import SandboxResult
+from grpo_variants.rewards.builtin import extract_code
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,74 +31,90 @@ def _dedent(s: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. The judge's invariant: what the program run holds
+# 1. The judge's invariant: what the program's process holds
 # ---------------------------------------------------------------------------------------------
 SECRET_TESTS = [
-    # (tests, the strings that must not be in the program run)
-    (["assert add(1, 2) == sum([1, 2])"], ["sum"]),
-    ("expected = 31337\nassert add(1, 2) == expected", ["31337", "expected"]),
-    ("def _ref(a, b):\n    return a + b + 31337\nassert add(2, 2) == _ref(2, 2)", ["31337", "_ref"]),
-    ("x = [3, 1, 2]\nwant = sorted(x) + [31337]\nassert f(x) == want", ["31337", "want"]),
-    ("import math\nassert abs(f(2) - math.pi * 31337) < 1e-6", ["31337", "math"]),
-    ("assert math.isclose(f(2), 31337.5, rel_tol=1e-9)", ["31337"]),
-    ("assert f(1) == 31337 and g(2) != 31338", ["31337", "31338"]),
-    ("from collections import OrderedDict\nassert f() == OrderedDict([(31337, 1)])", ["31337", "OrderedDict"]),
-    ("orig = [3, 1, 2]\nlst = list(orig)\nsort_in_place(lst)\nassert lst == sorted(orig) + [31337][:0]",
-     ["31337", "sorted"]),
+    # tests whose expected side holds 31337 (the old planner's split cases, now run by Python)
+    "assert add(1, 2) == sum([1, 2, 31337])",
+    "expected = 31337\nassert add(1, 2) == expected",
+    "def _ref(a, b):\n    return a + b + 31337\nassert add(2, 2) == _ref(2, 2)",
+    "x = [3, 1, 2]\nwant = sorted(x) + [31337]\nassert f(x) == want",
+    "import math\nassert abs(f(2) - math.pi * 31337) < 1e-6",
+    "import math\nassert math.isclose(f(2), 31337.5, rel_tol=1e-9)",
+    "assert f(1) == 31337 and g(2) != 31338",
+    "from collections import OrderedDict\nassert f() == OrderedDict([(31337, 1)])",
+    "orig = [3, 1, 2]\nlst = list(orig)\nsort_in_place(lst)\nassert lst == sorted(orig) + [31337][:0]",
+]
+# Every function of this program looks for 31337 in its whole process and says in its exception's message
+# whether it found it (the message is all that comes back of a raise).
+SNIFFER = _dedent(
+    r"""
+    import gc, os, sys
+    T = 31336 + 1  # not a constant of the code: only a value made at run time is found
+    def _sniff(*_a, **_k):
+        hit = any(T == v and v is not T for o in gc.get_objects() if isinstance(o, (list, tuple, dict))
+                  for v in (o.values() if isinstance(o, dict) else o) if type(v) is int)
+        for fd in range(256):
+            try:
+                os.set_blocking(fd, False)
+                hit = hit or str(T).encode() in os.read(fd, 1 << 20)
+            except Exception:
+                pass
+        raise ValueError("LEAKED" if hit else "clean")
+    add = f = g = sort_in_place = _sniff
+    """
+)
+
+
+def test_program_process_holds_no_expected_side():
+    reward = make_code_reward("fraction")
+    planted = SNIFFER + "PLANT = [int('31337')]\n"
+    n = len(SECRET_TESTS)
+    out = reward(prompts=["p"] * (n + 1), completions=[SNIFFER] * n + [planted],
+                 tests=[[t] for t in SECRET_TESTS] + [[SECRET_TESTS[1]]])
+    assert out == [0.0] * (n + 1)
+    for tests, reasons in zip(SECRET_TESTS, reward.last_reasons[:n]):
+        assert any("ValueError: clean" in r for r in reasons) and not any("LEAKED" in r for r in reasons), \
+            (tests, reasons)
+    assert "LEAKED" in reward.last_reasons[n][0]  # sanity: the sniffer finds a 31337 that is really there
+
+
+# The old planner refused these (marked unsupported); Python now decides them, for a correct and a wrong program.
+PYTHON_DECIDES = [
+    ("inp, exp = (1, 2), 3\nassert f(*inp) == exp", "def f(a, b):\n    return a + b\n"),
+    ("e = 3\nassert f(1) - e == 0", "def f(x):\n    return x + 2\n"),
+    ("def check(r):\n    return r == 42\nassert check(f(1))", "def f(x):\n    return 42\n"),
+    ("assert all(f(i) == i for i in range(3))", "def f(x):\n    return x\n"),
+    ("for i in range(3):\n    assert f(i) == i", "def f(x):\n    return x\n"),
+    ("assert f(1) is None", "def f(x):\n    return None\n"),
+    ("assert add(1, 2) == add(2, 1)", "def add(a, b):\n    return a + b\n"),
 ]
 
 
-@pytest.mark.parametrize("tests,secrets_", SECRET_TESTS)
-def test_program_run_holds_no_expected_side(tests, secrets_):
-    plan = judge.plan_tests(tests)
-    assert plan.units and all(u.unsupported is None for u in plan.units), [u.unsupported for u in plan.units]
-    script = judge.build_probe_program("", plan.program_steps, tag="t", test_timeout=1.0)
-    program_text = json.dumps(plan.program_steps)
-    for s in secrets_:
-        assert s not in program_text, (s, plan.program_steps)
-    assert "31337" not in script
-
-
-def test_both_sides_need_the_program_are_compared_here():
-    plan = judge.plan_tests(["assert add(1, 2) == add(2, 1)"])
-    (c,) = plan.units[0].checks
-    assert (c.left.run, c.right.run) == ("program", "program") and plan.n_reference == 0
+def test_forms_the_planner_refused_are_decided_by_python():
+    wrong = "def f(*a):\n    return 7\ndef add(a, b):\n    return a - b\n"
+    n = len(PYTHON_DECIDES)
+    reward = make_code_reward("all")
+    out = reward(prompts=["p"] * 2 * n, completions=[p for _, p in PYTHON_DECIDES] + [wrong] * n,
+                 tests=[[t] for t, _ in PYTHON_DECIDES] * 2)
+    assert out == [1.0] * n + [0.0] * n, reward.last_reasons
 
 
 def test_mutation_through_the_program_is_seen_and_expected_sides_are_not_moved():
-    plan = judge.plan_tests("orig = [3, 1, 2]\nlst = list(orig)\nsort_in_place(lst)\nassert lst == sorted(orig)")
-    (c,) = plan.units[0].checks
-    assert (c.left.run, c.right.run) == ("program", "reference")
-    assert [s[1] for s in plan.program_steps if s[0] == "x"] == ["orig = [3, 1, 2]", "lst = list(orig)",
-                                                                "sort_in_place(lst)"]
-    assert plan.reference_steps == [("x", "orig = [3, 1, 2]"), ("p", 0, "sorted(orig)")]
-    # through an alias, and through an earlier assert
-    alias = judge.plan_tests("a = [2, 1]\nb = a\nsort_in_place(b)\nassert a == [1, 2]")
-    assert alias.units[0].checks[0].left.run == "program"
-    later = judge.plan_tests("lst = [2, 1]\nassert sort_in_place(lst) is None\nassert lst == [1, 2]")
-    assert later.units[1].checks[0].left.run == "program"
-
-
-@pytest.mark.parametrize("tests,why", [
-    ("inp, exp = (1, 2), 3\nassert add(*inp) == exp", "binds exp"),
-    ("e = 3\nassert f(1) - e == 0", "uses the tests' e"),
-    ("def check(r):\n    return r == 42\nassert check(f(1))", "uses the tests' check"),
-    ("assert all(f(i) == i for i in range(3))", "interpreter"),
-    ("for i in range(3):\n    assert f(i) == i", "nested"),
-    ("assert f(1) is 3", "'is'"),
-])
-def test_unsplittable_tests_are_marked_unsupported(tests, why):
-    plan = judge.plan_tests(tests)
-    (unit,) = plan.units
-    assert unit.unsupported and why in unit.unsupported
-    steps = json.dumps(plan.program_steps)
-    assert "3" not in steps and "42" not in steps, steps  # nothing of it reaches the program
+    tests = "orig = [3, 1, 2]\nlst = list(orig)\nsort_in_place(lst)\nassert lst == sorted(orig)\nassert orig == [3, 1, 2]"
+    alias = "a = [2, 1]\nb = a\nsort_in_place(b)\nassert a == [1, 2]"
+    later = "lst = [2, 1]\nassert sort_in_place(lst) is None\nassert lst == [1, 2]"
+    good = "def sort_in_place(x):\n    x.sort()\n"
+    bad = "def sort_in_place(x):\n    return sorted(x)\n"  # sorts a copy: the test's list stays as it was
+    reward = make_code_reward("fraction")
+    out = reward(prompts=["p"] * 6, completions=[good] * 3 + [bad] * 3, tests=[[tests], [alias], [later]] * 2)
+    assert out == [1.0, 1.0, 1.0, 0.5, 0.0, 0.0], reward.last_reasons
 
 
 def test_unsupported_is_an_error_a_failure_or_skipped_and_always_logged(caplog):
     from grpo_variants.errors import DatasetError
 
-    tests = [["assert f(1) == 2", "assert all(f(i) == 2 * i for i in range(3))"]]
+    tests = [["assert f(1) == 2", "assert f(lambda: 1) == 2"]]  # a function of the tests never crosses
     prog = ["def f(x):\n    return 2 * x\n"]
     with pytest.raises(DatasetError, match="unsupported test"):
         make_code_reward("all")(prompts=["p"], completions=prog, tests=tests)
@@ -107,13 +122,15 @@ def test_unsupported_is_an_error_a_failure_or_skipped_and_always_logged(caplog):
     with caplog.at_level("WARNING"):
         assert fail(prompts=["p"], completions=prog, tests=tests) == [0.5]
     assert fail.last_unsupported == 1 and any("unsupported test" in r for r in fail.last_reasons[0])
+    assert "unsupported test" in caplog.text
     skip = make_code_reward("all", on_unsupported="skip")
     assert skip(prompts=["p"], completions=prog, tests=tests) == [1.0]
     assert skip(prompts=["p"], completions=prog, tests=[tests[0][1:]]) == [None]  # nothing left to judge
+    assert skip(prompts=["p"], completions=prog, tests=[["assert f(1 ==="]]) == [None]  # does not parse
 
 
 # ---------------------------------------------------------------------------------------------
-# Agreement with Python's assert, case by case (on decoded values)
+# Agreement with Python's assert, case by case (values after crossing)
 # ---------------------------------------------------------------------------------------------
 AGREE = [
     (OrderedDict([("a", 1), ("b", 2)]), "==", OrderedDict([("b", 2), ("a", 1)])),
@@ -152,44 +169,43 @@ def _python(a, op, b):
 
 @pytest.mark.parametrize("a,op,b", AGREE, ids=[f"{i}" for i in range(len(AGREE))])
 def test_verdict_agrees_with_pythons_assert(a, op, b):
-    dec_a = judge.decode_value(json.loads(json.dumps(judge.encode_value(a))))
-    dec_b = judge.decode_value(json.loads(json.dumps(judge.encode_value(b))))
-    assert judge._apply(dec_a, op, dec_b) == bool(_python(a, op, b))
+    def cross(v):
+        return harness.decode(json.loads(json.dumps(harness.encode(v, harness._refuse_other))), lambda i: i)
+
+    assert _python(cross(a), op, b) == _python(a, op, b)  # the program's value, compared by Python as it was
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. A decoder that cannot fail or stall; extract_code in linear time
 # ---------------------------------------------------------------------------------------------
-def test_forged_records_cannot_fail_the_decoder():
-    tag = "grpo-judge-x"
+def test_forged_answers_cannot_fail_the_decoder():
+    """What a program may send back: each forged value is refused with an exception (its test fails)."""
     big = int("9" * 400)
-    lines = [
-        f'{tag} {{"i": 0, "v": {{"c": [{big}, 0]}}}}',          # OverflowError in complex()
-        f'{tag} {{"i": 1, "v": {{"s": [[1], [2]]}}}}',          # unhashable set element
-        f'{tag} {{"i": 2, "v": {"[" * 5000}{"]" * 5000}}}',     # deeper than json's recursion
-        f'{tag} {{"i": 3, "v": {{"d": [[{{"d": []}}, 1]]}}}}',  # a dict as a key
-        f'{tag} {{"i": 4, "v": {"1" * 5000}}}',                 # past the int digit limit
-        f'{tag} {{"i": 5, "v": {{"b": "zz"}}}}',
-        f'{tag} {{"i": 6, "v": {{"t": 1}}}}',
-        f"{tag} " + "\x00\udcff" * 10,
-        f'{tag} {{"i": 7, "v": [' + ",".join(["[]"] * 250_000) + "]}",  # past the element budget
+    forged = [
+        f'{{"c": [{big}, 0]}}',                       # OverflowError in complex()
+        '{"s": [[1], [2]]}',                          # unhashable set element
+        "[" * 5000 + "]" * 5000,                      # deeper than the bound
+        '{"d": [[{"d": []}, 1]]}',                    # a dict as a key
+        '{"b": "zz"}',
+        '{"t": 1}',
+        "[" + ",".join(["[]"] * 250_000) + "]",       # past the element budget
+        '{"h": "0"}',
     ]
-    recs = judge.parse_records("\n".join(lines), tag, 8)
-    # Lines json itself refuses (2, 4) are ignored (no value: the probe fails); the others are errors.
-    assert {0, 1, 3, 5, 6, 7} <= set(recs.values) and all(v[0] == "e" for v in recs.values.values()), recs.values
+    for text in forged:
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError):
+            continue  # json itself refuses it: the stub's call raises, its test fails
+        with pytest.raises((ValueError, TypeError, OverflowError, RecursionError)):
+            harness.decode(obj, lambda i: i)
 
 
-def test_colliding_set_decodes_in_linear_time():
-    """~39,000 integers that all hash alike in Python (multiples of 2**61 - 1) used to take 20-40 s."""
+def test_colliding_set_is_refused_in_linear_time():
+    """~39,000 integers that all hash alike in Python (multiples of 2**61 - 1) used to take 20-40 s to build."""
     mod = (1 << 61) - 1
-    payload = {"s": [k * mod for k in range(39_000)]}
-    line = "grpo-judge-x " + json.dumps({"i": 0, "v": payload})
     t = time.process_time()
-    recs = judge.parse_records(line, "grpo-judge-x", 1)
-    assert time.process_time() - t < 3.0
-    assert recs.values[0][0] == "v" and len(recs.values[0][1]) == 39_000
-    t = time.process_time()
-    assert judge._apply(recs.values[0][1], "==", recs.values[0][1])
+    with pytest.raises(ValueError, match="hash alike"):
+        harness.decode({"s": [k * mod for k in range(39_000)]}, lambda i: i)
     assert time.process_time() - t < 3.0
 
 
@@ -434,16 +450,15 @@ def test_a_completions_budget_is_a_multiple_of_a_program_free_run():
     assert whole.last_budgets == [1.5]
 
 
-def test_a_costly_reference_buys_the_program_time():
-    # As a judge's limit is a multiple of its reference solution's time: a test whose expected side is costly
-    # gives the program a proportional budget; the same slow program against a literal expected value has not.
-    slow_add = "import time\ndef add(a, b):\n    time.sleep(0.9)\n    return a + b\n"
-    costly = "import time\ndef _ref():\n    time.sleep(0.8)\n    return 3\nassert add(1, 2) == _ref()"
+def test_the_tests_time_is_not_the_programs():
+    # The program's budget counts its start-up and its answers only: a test whose own side is slow (a reference
+    # implementation called in the test) costs the program nothing; a slow program is cut at its budget.
+    slow_add = "import time\ndef add(a, b):\n    time.sleep(4)\n    return a + b\n"
+    costly = "import time\ndef _ref():\n    time.sleep(3)\n    return 3\nassert add(1, 2) == _ref()"
     reward = make_code_reward("all", time_factor=2.0, min_timeout=0.3)
-    assert reward(prompts=["p"], completions=[slow_add], tests=[[costly]]) == [1.0], reward.last_reasons
-    assert reward.last_budgets[0] >= 2.0 * 0.8
-    assert reward(prompts=["p"], completions=[slow_add], tests=[["assert add(1, 2) == 3"]]) == [0.0]
-    assert reward.last_budgets[0] < 0.9 and "time_factor" in reward.last_reasons[0][0]
+    out = reward(prompts=["p"] * 2, completions=[CORRECT_ADD, slow_add], tests=[[costly], ["assert add(1, 2) == 3"]])
+    assert out == [1.0, 0.0], reward.last_reasons
+    assert reward.last_budgets[0] < 3.0 and "time_factor" in reward.last_reasons[1][0]
 
 
 def test_an_explicit_timeout_is_said_to_be_a_ceiling(caplog):
@@ -462,18 +477,18 @@ def test_bad_time_limits_are_refused(bad):
         make_code_reward("all", **bad)
 
 
-def test_failed_reference_run_is_never_cached(caplog):
-    reward = CodeReward("all")
-    plan = judge.plan_tests("def _slow():\n    return 3\nassert add(1, 2) == _slow()")
-    failed = SandboxResult(None, "", "", True, "timeout", 10.0)
-    assert not reward._cache_reference(plan.ref_key, failed, "tag", plan.n_reference)
-    assert reward._ref_cache == {}
-    # End to end: a reference run that cannot finish in the budget fails the test now and is retried later.
+def test_a_reference_run_past_the_timeout_fails_its_tests_and_is_said(caplog):
+    # The tests' own side cannot finish within the timeout: its tests fail (not the program's fault, said so),
+    # and the next call starts afresh.
     slow = "import time\ndef _slow():\n    time.sleep(3)\n    return 3\nassert add(1, 2) == _slow()"
     quick = make_code_reward("all", timeout=1.5, test_timeout=10)
     with caplog.at_level("WARNING"):
         assert quick(prompts=["p"], completions=[CORRECT_ADD], tests=[[slow]]) == [0.0]
-    assert quick._ref_cache == {} and "reference run" in caplog.text
+    assert "reference run" in caplog.text and "not the program's fault" in quick.last_reasons[0][-1]
+    # Within one call the failed tests' process is replaced: the next completion is judged by a fresh one.
+    one = make_code_reward("all", timeout=1.5, test_timeout=10, max_workers=1)
+    assert one(prompts=["p"] * 2, completions=[CORRECT_ADD] * 2, tests=[[slow], ["assert add(1, 2) == 3"]]) == \
+        [0.0, 1.0], one.last_reasons
     quick.sandbox_options["timeout"] = 10.0
     quick._pool = None
     assert quick(prompts=["p"], completions=[CORRECT_ADD], tests=[[slow]]) == [1.0]
@@ -593,7 +608,9 @@ def test_training_where_every_completion_is_hostile_finishes(toy_model_path, sma
 
 def test_no_program_free_run_means_the_whole_timeout_said_in_one_line(caplog, monkeypatch):
     reward = make_code_reward("all", time_factor=4.0, min_timeout=0.5, timeout=3.0)
-    monkeypatch.setattr(reward, "_run_references", lambda *args, **kwargs: None)  # every such run failed
+    from grpo_variants.rewards import judge
+
+    monkeypatch.setattr(judge.ReferencePool, "startup", property(lambda self: None))  # no program-free run finished
     with caplog.at_level("WARNING"):
         assert reward(prompts=["p"], completions=[CORRECT_ADD], tests=[["assert add(1, 2) == 3"]]) == [1.0]
     assert reward.last_budgets == [3.0] and "no program-free run finished" in caplog.text

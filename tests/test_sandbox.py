@@ -571,7 +571,7 @@ def test_correct_solution_scores_one_plain_and_chat():
         "assert pair(1) == (1, [1, 1])",
         "assert f(2) in {4, 5}",
         "assert f(0) is not None",
-        "assert math.isclose(f(0.1), 0.2, rel_tol=1e-9)",
+        "import math\nassert math.isclose(f(0.1), 0.2, rel_tol=1e-9)",
         "assert abs(f(0.25) - 0.5) < 1e-9",
         "assert f(1) == [2][0] * 1",  # needs the reference run
         "import math\nassert f(4) == int(math.sqrt(64))",
@@ -601,28 +601,24 @@ def test_stdin_stdout_cases():
 def test_unsupported_test_form_is_a_clear_error():
     from grpo_variants.errors import DatasetError
 
-    tests = [["assert all(f(i) == 2 * i for i in range(3))"]]
-    with pytest.raises(DatasetError, match="unsupported test .the verdict would be computed by the program"):
+    tests = [["assert f(lambda i: 2 * i) == 2"]]  # a function of the tests never crosses to the program
+    with pytest.raises(DatasetError, match="unsupported test .the test passes a function to the program"):
         make_code_reward("all")(prompts=["p"], completions=["def f(x): return 2 * x"], tests=tests)
     lenient = make_code_reward("all", on_unsupported="fail")
     assert lenient(prompts=["p"], completions=["def f(x): return 2 * x"], tests=tests) == [0.0]
 
 
 def test_decoder_accepts_only_the_restricted_format():
-    from grpo_variants.rewards import judge
+    from grpo_variants.rewards import harness
 
-    assert judge.decode_value({"t": [1, {"s": [2]}, {"d": [["k", {"b": "00ff"}]]}]}) == \
-        judge.normalize((1, {2}, {"k": b"\x00\xff"}))
-    for bad in ({"py/object": "os.system"}, {"t": 1}, {"x": []}, {"d": [[[1], 2]]}):
+    def no_handle(i):
+        raise ValueError("no handles here")
+
+    assert harness.decode({"t": [1, {"s": [2]}, {"d": [["k", {"b": "00ff"}]]}]}, no_handle) == \
+        (1, {2}, {"k": b"\x00\xff"})
+    for bad in ({"py/object": "os.system"}, {"t": 1}, {"x": []}, {"d": [[[1], 2]]}, {"h": 0}):
         with pytest.raises((ValueError, TypeError)):
-            judge.decode_value(bad)
-    tag = "grpo-judge-x"
-    deep = "[" * 80 + "1" + "]" * 80
-    out = f"{tag} {{\"program\": \"ok\"}}\n{tag} {{\"i\": 0, \"v\": 6}}\n{tag} {{\"i\": 0, \"v\": 7}}\n" \
-          f"{tag} {{\"i\": 1, \"v\": {deep}}}\nnoise\n{tag} not-json\n"
-    recs = judge.parse_records(out, tag, 2)
-    assert recs.program == "ok" and recs.values[0] == ("v", 6) \
-        and recs.values[1][0] == "e" and recs.values[1][1].startswith("undecodable")
+            harness.decode(bad, no_handle)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -814,10 +810,10 @@ def test_humaneval_check_function_and_nested_asserts():
         check(add)
         """
     )
-    units, cases = judge.parse_tests(src)
-    assert [(c.left.expr, c.op, c.right.value) for u in units[:2] for c in u.checks] == [("add(1, 2)", "==", 3),
-                                                                                       ("add(0, 0)", "==", 0)]
-    assert units[0].setup == ["METADATA = {}\n"] and units[2].unsupported and not cases
+    parsed = judge.parse_tests(src)
+    assert parsed.source == src and not parsed.cases and not parsed.unparsable
     good = "```python\ndef add(a, b):\n    return a + b\n```"
-    reward = make_code_reward("fraction", on_unsupported="fail")
-    assert reward(prompts=["p"], completions=[good], tests=[src]) == [pytest.approx(2 / 3)]
+    wrong = "```python\ndef add(a, b):\n    return a * b\n```"  # add(0, 0) == 0 holds, the rest does not
+    reward = make_code_reward("fraction")
+    assert reward(prompts=["p"] * 2, completions=[good, wrong], tests=[src] * 2) == [1.0, 0.0]  # check(add): one test
+    assert "check(add)" in reward.last_reasons[1][0]

@@ -17,13 +17,12 @@ Registered names: ``math_accuracy`` (+1/0), ``math_accuracy_pm1`` (+1/-1), ``for
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import re
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from grpo_variants.errors import ConfigError, DatasetError, RewardFunctionError
 from grpo_variants.rewards.math_verify_utils import (
@@ -33,7 +32,6 @@ from grpo_variants.rewards.math_verify_utils import (
     gold_is_parsable,
 )
 from grpo_variants.rewards import judge
-from grpo_variants.rewards.judge import build_probe_program, new_tag
 from grpo_variants.rewards.registry import reward
 from grpo_variants.rewards.sandbox import SandboxPool, SandboxResult
 
@@ -53,7 +51,6 @@ __all__ = [
     "CodeReward",
     "make_code_reward",
     "extract_code",
-    "build_test_program",
     "REWARD_FACTORIES",
     "build_reward",
     "math_accuracy",
@@ -441,51 +438,45 @@ def extract_code(text: str) -> str:
     return text
 
 
-def build_test_program(program: str, tests: Any, *, test_timeout: float = 5.0) -> tuple[str, str]:
-    """The program run's sandbox script for ``program`` and assert-style ``tests``; returns ``(script, tag)``:
-    the script prints the value of each program-side expression on a ``tag JSON`` line. Expected values
-    and the setup only they need are not in it (see :mod:`grpo_variants.rewards.judge`)."""
-    plan = judge.plan_tests(tests)
-    tag = new_tag()
-    return build_probe_program(program, plan.program_steps, tag=tag, test_timeout=test_timeout), tag
-
-
 class CodeReward(_NamedReward):
-    """Runs the completion's program against the dataset's ``tests`` column in the sandbox, and judges
-    the values it sends back *outside* it.
+    """Runs the completion's program against the dataset's ``tests`` column in the sandbox: the tests run
+    as Python in a program-free sandbox, the program (in its own sandbox) only answers calls.
 
     The program is the last ```python block (else any fenced block, else the whole text). ``tests``
-    holds assert statements (a list, or one string of test code with setup lines) and/or stdin/stdout
-    cases (``{"input", "output"}`` items, or ``{"inputs": [...], "outputs": [...]}``); the supported
-    forms are listed in :mod:`grpo_variants.rewards.judge`. Each sample's asserts are split into a
-    *program run* (the program and what the program sides need) and a program-free *reference run*
-    (the expected sides, cached per distinct test once it ran to completion); this process compares the
-    values. Nothing that is or leads to an expected value is in the program's process.
+    holds test code (a list of strings joined into one file, or one string: asserts, HumanEval's
+    ``check(candidate)``, unittest classes, pytest-style ``test_*`` functions) and/or stdin/stdout cases
+    (``{"input", "output"}`` items, or ``{"inputs": [...], "outputs": [...]}``); see
+    :mod:`grpo_variants.rewards.judge`. The test file runs unmodified in the *tests' process*, every name of
+    the program bound to a stub; a call sends its arguments, as values, to the program and gets back the
+    return value and the arguments after the call. Nothing else crosses, so no expected value is ever in
+    the program's process; Python itself decides every test.
 
     ``mode="all"``: 1.0 when every test passes, else 0.0; ``mode="fraction"``: the fraction that
-    pass. A sample without tests scores None. ``on_unsupported`` (a test the judge cannot decide without
-    showing the program an expected value or trusting its interpreter): ``"error"`` (a DatasetError
-    naming the test and why), ``"fail"`` (the test counts as failed) or ``"skip"`` (it is left out of
-    the count; a sample with only such tests scores None); both log "unsupported test" once per test and
-    count it in ``last_unsupported``.
+    pass (each top-level statement holding an assert, each unittest method, each uncalled ``test_*``
+    function, each stdin/stdout case is one test; a setup statement that fails counts as one failed test).
+    A sample without tests scores None. ``on_unsupported`` (a test that passes the program something that
+    is not data, or an item that does not parse): ``"error"`` (a DatasetError naming the test and why),
+    ``"fail"`` (the test counts as failed) or ``"skip"`` (it is left out of the count; a sample with only
+    such tests scores None); the last two log "unsupported test" once per test, all count it in
+    ``last_unsupported``.
 
-    **Time.** All of one completion's runs (its assert run and every stdin/stdout case) share one
-    wall-clock budget, relative to a program-free run on this machine *now*, as a judge's time limit is
-    a multiple of its reference solution's time::
+    **Time.** A completion's budget is of the program's *own* time (its sandbox's start-up, the time it
+    takes to answer the calls, and its stdin/stdout runs), never the tests' time, relative to a
+    program-free run on this machine *now*, as a judge's time limit is a multiple of its reference
+    solution's time::
 
-        budget = min(timeout, max(min_timeout, time_factor * (t_ref + n_cases * t_base)))
+        budget = min(timeout, max(min_timeout, time_factor * n_runs * t_base))
 
-    ``t_base`` is the wall time of the fastest program-free run of this call (the reference runs, or one
-    calibration run when they are all cached): the sandbox's start-up under the machine's current load;
-    ``t_ref = max(t_base, the wall time of that sample's reference run)``, which also carries the cost of
-    the expected sides (a reference implementation called in the test). The reference runs go first, alone,
-    so a hostile program never shares the machine with them. Defaults: ``time_factor=4``,
-    ``min_timeout=0.5`` s, ``timeout=10`` s (the ceiling); ``time_factor=None`` gives every completion
-    the whole ``timeout``. A program that does real work beyond its tests' reference (a stdin/stdout task,
-    a test with literal expected values on a costly function) needs a larger ``time_factor`` or ``None``.
+    ``t_base`` is the start-up time of this call's fastest program-free sandbox (the tests' processes, or
+    one calibration run when there is no test code), ``n_runs`` is 1 for the test file plus one per
+    stdin/stdout case. Defaults: ``time_factor=4``, ``min_timeout=0.5`` s, ``timeout=10`` s (the
+    ceiling); ``time_factor=None`` gives every completion the whole ``timeout``. A program that does real
+    work beyond what a sandbox start costs needs a larger ``time_factor`` or ``None``. Whatever either
+    side does, one completion's test file ends within ``timeout`` (every wait of the relay has a deadline).
     ``last_budgets`` holds each completion's budget; a time-out reason names it. ``test_timeout`` bounds
-    each probe (SIGALRM). Why each completion lost points is in ``last_reasons``. Programs run in parallel
-    in a :class:`SandboxPool`; ``sandbox_options`` go to :func:`run_in_sandbox` (timeout, memory_mb, ...).
+    each call into the program (SIGALRM there) and each test's own CPU time in the tests' process. Why each
+    completion lost points is in ``last_reasons``. Completions are judged in parallel in a
+    :class:`SandboxPool`'s threads; ``sandbox_options`` go to :func:`run_in_sandbox` (timeout, memory_mb, ...).
     """
 
     def __init__(
@@ -528,8 +519,6 @@ class CodeReward(_NamedReward):
         self.__name__ = name or ("code_pass" if mode == "all" else "code_pass_fraction")
         self._pool: SandboxPool | None = None
         self._lock = threading.Lock()
-        self._ref_cache: dict[str, Any] = {}
-        self._ref_seconds: dict[str, float] = {}
         self.last_results: list[SandboxResult | None] = []
         self.last_reasons: list[list[str]] = []
         self.last_budgets: list[float | None] = []
@@ -543,8 +532,6 @@ class CodeReward(_NamedReward):
         state = dict(self.__dict__)
         state["_pool"] = None
         state["_lock"] = None
-        state["_ref_cache"] = {}
-        state["_ref_seconds"] = {}
         state["last_results"] = []
         state["last_reasons"] = []
         return state
@@ -552,7 +539,6 @@ class CodeReward(_NamedReward):
     def __setstate__(self, state):
         state.setdefault("time_factor", 4.0)
         state.setdefault("min_timeout", 0.5)
-        state.setdefault("_ref_seconds", {})
         state.setdefault("last_budgets", [])
         state.setdefault("_announce", False)
         self.__dict__.update(state)
@@ -567,125 +553,132 @@ class CodeReward(_NamedReward):
                 self._pool = SandboxPool(self.max_workers, **self.sandbox_options)
             return self._pool
 
-    def _check_supported(self, i: int, units) -> int:
-        n = 0
-        for u in units:
-            if u.unsupported is None:
-                continue
-            n += 1
-            msg = (f"Reward '{self.__name__}': sample {i} has an unsupported test ({u.unsupported}): "
-                   f"{u.source[:200]!r}. See docs/rewards.md for the supported forms.")
-            if self.on_unsupported == "error":
-                raise DatasetError(msg + " Rewrite the test, or pass on_unsupported='fail' (counts it failed) "
-                                   "or 'skip' (leaves it out).")
-            judge.warn_once(u.source, "%s It %s (on_unsupported=%r).", msg,
-                            "counts as failed" if self.on_unsupported == "fail" else "is left out of the score",
-                            self.on_unsupported)
-        return n
-
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
         completions = list(completions or [])
         tests_col = _column(kwargs, self.tests_column, len(completions), self.__name__)
-        groups: list[list[tuple[str, str | None]]] = []  # one per completion with runs: its program's runs
-        ref_groups: list[list[tuple[str, str | None]]] = []  # the program-free reference runs not cached yet
-        plans: list[judge.Plan | None] = [None] * len(completions)
-        where: list[tuple[int, str | None]] = [(-1, None)] * len(completions)  # (group, tag of the assert run)
-        ref_jobs: dict[str, tuple[int, str, int]] = {}  # ref key -> (group, tag, n probes), this batch
-        self.last_unsupported = 0
-        for i, (c, tests) in enumerate(zip(completions, tests_col)):
-            plan = judge.plan_tests(tests)
-            if not plan.units and not plan.cases:
+        parsed: list[judge.Tests | None] = [None] * len(completions)
+        for i, tests in enumerate(tests_col):
+            t = judge.parse_tests(tests)
+            if t.empty:
                 logger.warning("Reward '%s': sample %d has no tests; it scores None.", self.__name__, i)
                 continue
-            self.last_unsupported += self._check_supported(i, plan.units)
-            program = extract_code(completion_text(c))
-            group: list[tuple[str, str | None]] = []
-            tag = None
-            if plan.supported_units:
-                tag = judge.new_tag()
-                group.append((build_probe_program(program, plan.program_steps, tag=tag,
-                                                  test_timeout=self.test_timeout), None))
-            group += [(program, case.input) for case in plan.cases]
-            key = plan.ref_key if plan.supported_units else None
-            if key is not None and key not in self._ref_cache and key not in ref_jobs:
-                rtag = judge.new_tag()
-                ref_jobs[key] = (len(ref_groups), rtag, plan.n_reference)
-                ref_groups.append([(build_probe_program("", plan.reference_steps, tag=rtag,
-                                                        test_timeout=self.test_timeout), None)])
-            plans[i] = plan
-            if group:
-                where[i] = (len(groups), tag)
-                groups.append(group)
-        base = self._run_references(ref_jobs, ref_groups, calibrate=bool(groups) and self.time_factor is not None)
-        if base is None and groups and self.time_factor is not None:
+            if t.unparsable and self.on_unsupported == "error":  # known before anything runs
+                raise DatasetError(self._unsupported(i, t.unparsable[0][1], t.unparsable[0][0]) + " Rewrite the "
+                                   "test, or pass on_unsupported='fail' (counts it failed) or 'skip' (leaves it out).")
+            parsed[i] = t
+        todo = [i for i, t in enumerate(parsed) if t is not None and (t.source is not None or t.cases)]
+        n_files = sum(parsed[i].source is not None for i in todo)
+        ceiling = float(self.sandbox_options["timeout"])
+        refs = None
+        base = None
+        if n_files:
+            n = min(self.pool.max_workers, n_files)
+            refs = judge.ReferencePool(n, self.sandbox_options, lifetime=ceiling * (n_files // n + 2) + 30,
+                                       ready_within=ceiling)
+            base = refs.startup
+        elif todo and self.time_factor is not None:
+            base = self._calibrate()
+        if base is None and todo and self.time_factor is not None:
             logger.warning("Reward '%s': no program-free run finished in this call, so each completion gets the whole "
-                           "timeout=%gs instead of %g x that run's time.", self.__name__,
-                           float(self.sandbox_options["timeout"]), self.time_factor)
+                           "timeout=%gs instead of %g x that run's time.", self.__name__, ceiling, self.time_factor)
         if self._announce:
             self._announce = False
             logger.warning("Reward '%s': timeout=%gs is the ceiling of each completion's budget, which is %g x a "
                            "program-free run's time (at least %g s); pass time_factor=None to give every completion "
-                           "the whole timeout.", self.__name__, float(self.sandbox_options["timeout"]),
-                           self.time_factor, self.min_timeout)
-        budgets = [self._budget(plans[i], base) if where[i][0] >= 0 else None for i in range(len(completions))]
-        results = self.pool.run_groups(groups, budget=[b for b in budgets if b is not None]) if groups else []
+                           "the whole timeout.", self.__name__, ceiling, self.time_factor, self.min_timeout)
+        budgets = [self._budget(parsed[i], base) if i in todo else None for i in range(len(completions))]
         self.last_budgets = budgets
         self.last_results = [None] * len(completions)
         self.last_reasons = [[] for _ in completions]
+        self.last_unsupported = 0
+        programs = {i: extract_code(completion_text(completions[i])) for i in todo}
+        try:
+            done = self.pool.map(lambda i: self._judge_one(programs[i], parsed[i], budgets[i], refs, ceiling), todo)
+        finally:
+            if refs is not None:
+                refs.close()
         out: list[float | None] = [None] * len(completions)
-        for i, plan in enumerate(plans):
-            if plan is None:
-                continue
-            gi, tag = where[i]
-            group = results[gi] if gi >= 0 else []
+        refused: list[str] = []
+        for i, (units, results) in zip(todo, done):
+            t = parsed[i]
+            self.last_results[i] = results[0] if results else None
             reasons = self.last_reasons[i]
             passed = total = 0
-            k = 0
-            recs = refs = res = None
-            if tag is not None:
-                res = group[0]
-                k = 1
-                self.last_results[i] = res
-                recs = judge.parse_records(res.stdout, tag, plan.n_program)
-                refs = self._ref_cache.get(plan.ref_key) if plan.ref_key is not None else None
-                if plan.ref_key is not None and refs is None:
-                    reasons.append("the reference run failed (not the program's fault; not cached)")
-            for unit in plan.units:
-                if unit.unsupported is not None:
-                    if self.on_unsupported == "fail":
-                        total += 1
-                        reasons.append(f"unsupported test: {unit.source[:80]!r}")
-                    continue
+            for kind, label, why in [("unsupported", item, w) for item, w in t.unparsable] + units:
+                if kind == "unsupported":
+                    self.last_unsupported += 1
+                    refused.append(self._unsupported(i, why, label))
+                    if self.on_unsupported != "fail":
+                        continue
+                    why = "unsupported test: " + why
                 total += 1
-                if recs.program != "ok":
-                    ok, why = False, ("the program " + {"error": "raised", "exit": "exited non-zero"}.get(
-                        recs.program or "", "sent no result (it crashed, was killed or garbled its result stream)")
-                        + (f" ({self._killed(res, budgets[i])})" if res.killed_reason else ""))
-                else:
-                    ok, why = judge.unit_verdict(unit, recs, refs)
-                    if not ok and res.killed_reason:  # killed after its module loaded: say by what
-                        why += f" ({self._killed(res, budgets[i])})"
-                passed += int(ok)
-                if not ok:
-                    reasons.append(f"{unit.source[:80]!r}: {why}")
-            for case, res in zip(plan.cases, group[k:]):
-                total += 1
-                if self.last_results[i] is None:
-                    self.last_results[i] = res
-                ok = res.ok and judge.stdout_matches(res.stdout, case.output)
-                passed += int(ok)
-                if not ok:
-                    reasons.append("stdin/stdout case: " + (self._killed(res, budgets[i]) if res.killed_reason else (
-                        f"exit status {res.returncode}" if res.returncode else "wrong output")))
+                passed += kind == "pass"
+                if kind != "pass":
+                    reasons.append(f"{label[:80]!r}: {why}")
             if reasons and logger.isEnabledFor(logging.DEBUG):
                 logger.debug("Reward '%s': completion %d lost points: %s", self.__name__, i, "; ".join(reasons))
-            if not total:
-                continue  # only skipped (unsupported) tests
-            if self.mode == "all":
-                out[i] = 1.0 if passed == total else 0.0
-            else:
-                out[i] = passed / total
+            if total:
+                out[i] = (1.0 if passed == total else 0.0) if self.mode == "all" else passed / total
+        if refused and self.on_unsupported == "error":
+            raise DatasetError(refused[0] + " Rewrite the test, or pass on_unsupported='fail' (counts it failed) "
+                               "or 'skip' (leaves it out).")
         return out
+
+    def _unsupported(self, i: int, why: str, source: str) -> str:
+        msg = (f"Reward '{self.__name__}': sample {i} has an unsupported test ({why}): {source[:200]!r}. "
+               "See docs/rewards.md for the supported forms.")
+        if self.on_unsupported != "error":
+            judge.warn_once(source + why, "%s It %s (on_unsupported=%r).", msg,
+                            "counts as failed" if self.on_unsupported == "fail" else "is left out of the score",
+                            self.on_unsupported)
+        return msg
+
+    def _judge_one(self, program: str, t: "judge.Tests", budget: float, refs, ceiling: float):
+        """One completion: its test file (a session with a tests' process), then its stdin/stdout cases, all
+        in one budget of the program's own time. Returns ``(units, results)``."""
+        units: list[tuple[str, str, str]] = []
+        results: list[SandboxResult] = []
+        used = 0.0
+        if t.source is not None:
+            ref = refs.take()
+            if ref is None:
+                units.append(("fail", "the tests", "the reference run failed (not the program's fault)"))
+            else:
+                try:
+                    s = judge.run_session(program, t.source, ref, run_options=self.sandbox_options, budget=budget,
+                                          test_timeout=self.test_timeout, ceiling=ceiling)
+                finally:
+                    refs.put_back(ref)
+                used = s.program_seconds
+                if s.result is not None:
+                    results.append(s.result)
+                timed_out = s.gone is not None and "budget" in s.gone
+                for kind, label, why in s.units:
+                    if kind == "fail" and timed_out and s.gone in why:
+                        why = self._killed_by_budget(budget)
+                    units.append((kind, label, why))
+                if s.reference_failed is not None:
+                    logger.warning("Reward '%s': the program-free reference run "
+                                    "of a test file failed (%s); its tests count as failed.", self.__name__,
+                                    s.reference_failed)
+                    units.append(("fail", "the tests", f"the reference run failed ({s.reference_failed}; not "
+                                                       f"the program's fault)"))
+        for case in t.cases:
+            left = budget - used
+            if left < 0.05:
+                res = SandboxResult(None, "", "wall-clock budget of the group spent", True, "timeout", 0.0)
+            else:
+                res = self.pool.run(program, stdin=case.input, timeout=min(ceiling, left))
+                used += res.duration
+            results.append(res)
+            ok = res.ok and judge.stdout_matches(res.stdout, case.output)
+            units.append(("pass" if ok else "fail", "stdin/stdout case", "" if ok else (
+                self._killed(res, budget) if res.killed_reason else (
+                    f"exit status {res.returncode}" if res.returncode else "wrong output"))))
+        return units, results
+
+    def _killed_by_budget(self, budget: float) -> str:
+        return self._killed(SandboxResult(None, "", "", True, "timeout", budget), budget)
 
     def _killed(self, res: SandboxResult, budget: float | None) -> str:
         """A kill reason; a time-out names the completion's budget and where it came from."""
@@ -698,54 +691,18 @@ class CodeReward(_NamedReward):
                 f"program-free run's time, at least min_timeout={self.min_timeout:g} s; raise time_factor, or "
                 f"time_factor=None for the whole timeout={timeout:g} s)")
 
-    def _budget(self, plan, base: float | None) -> float:
-        """One completion's wall-clock budget (the class docstring's formula)."""
+    def _budget(self, t: "judge.Tests", base: float | None) -> float:
+        """One completion's budget of the program's own time (the class docstring's formula)."""
         timeout = float(self.sandbox_options["timeout"])
         if self.time_factor is None or base is None:
             return timeout
-        ref = 0.0
-        if plan.supported_units:
-            ref = max(base, self._ref_seconds.get(plan.ref_key, 0.0) if plan.ref_key is not None else 0.0)
-        return min(timeout, max(self.min_timeout, self.time_factor * (ref + len(plan.cases) * base)))
+        runs = (t.source is not None) + len(t.cases)
+        return min(timeout, max(self.min_timeout, self.time_factor * runs * base))
 
-    def _run_references(self, ref_jobs: dict, ref_groups: list, calibrate: bool) -> float | None:
-        """Run this call's uncached reference runs, alone, before any program (plus one program-free
-        calibration run when ``calibrate`` and there are none); return the fastest one's wall time, the
-        sandbox's start-up cost now (None when none finished)."""
-        groups = list(ref_groups)
-        if calibrate and not groups:
-            groups.append([(build_probe_program("", [], tag=judge.new_tag(), test_timeout=self.test_timeout), None)])
-        if not groups:
-            return None
-        results = self.pool.run_groups(groups)
-        self._read_references(ref_jobs, results)
-        times = [g[0].duration for g in results if g and g[0].ok]
-        return min(times) if times else None
-
-    def _read_references(self, ref_jobs: dict, results: list) -> None:
-        """Cache the reference runs that ran to completion; rerun a failed one once, alone (it may have
-        shared the machine with another job); never cache a failure."""
-        retry = {}
-        for key, (gi, tag, n) in ref_jobs.items():
-            if not self._cache_reference(key, results[gi][0], tag, n):
-                retry[key] = (tag, n)
-        for key, (tag, n) in retry.items():
-            res = self.pool.run(build_probe_program("", json.loads(key), tag=tag, test_timeout=self.test_timeout))
-            if not self._cache_reference(key, res, tag, n):
-                logger.warning("Reward '%s': the program-free reference run of a test failed twice (%s); its "
-                               "asserts count as failed in this call and it will be retried in the next one.",
-                               self.__name__, res.killed_reason or f"exit status {res.returncode}")
-
-    def _cache_reference(self, key: str, res: SandboxResult, tag: str, n: int) -> bool:
-        recs = judge.parse_records(res.stdout, tag, n)
-        if not (res.ok and recs.program == "ok" and len(recs.values) == n):
-            return False
-        if len(self._ref_cache) >= 4096:
-            self._ref_cache.clear()
-            self._ref_seconds.clear()
-        self._ref_cache[key] = recs
-        self._ref_seconds[key] = float(res.duration)
-        return True
+    def _calibrate(self) -> float | None:
+        """The wall time of one program-free run now (the sandbox's start-up under the current load)."""
+        res = self.pool.run("pass\n")
+        return res.duration if res.ok else None
 
     def close(self) -> None:
         if self._pool is not None:

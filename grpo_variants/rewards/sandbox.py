@@ -139,6 +139,7 @@ build_seccomp_filter = _load_seccomp().build_filter
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "Channel",
     "SandboxResult",
     "SandboxPool",
     "run_in_sandbox",
@@ -189,6 +190,97 @@ class SandboxResult:
     def ok(self) -> bool:
         """True when the program exited with status 0 on its own."""
         return self.returncode == 0 and not self.timed_out and self.killed_reason is None
+
+
+class Channel:
+    """The live stdin/stdout of one run (``run_in_sandbox(code, channel=...)`` in another thread): whole
+    lines out of the run, bytes into it, every wait bounded by a deadline. :meth:`stop` ends the run (its
+    ``killed_reason`` is then the reason given); :meth:`finish` closes its stdin and ends it after
+    ``grace`` seconds unless it exits first. The run's unread output is capped by ``max_output_bytes``."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._wlock = threading.Lock()
+        self._buf = bytearray()
+        self._fd: int | None = None
+        self.closed = False  # the run's stdout ended (or the run is over)
+        self.reason: str | None = None
+        self.stop_at: float | None = None
+
+    def _attach(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        with self._cv:
+            self._fd = fd
+            self._cv.notify_all()
+        if self.stop_at is not None:
+            self._close_stdin()
+
+    def _feed(self, data: bytes, cap: int) -> bool:
+        with self._cv:
+            self._buf += data
+            self._cv.notify_all()
+            return len(self._buf) <= cap
+
+    def _eof(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+        self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        with self._wlock:
+            if self._fd is not None and self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def readline(self, deadline: float) -> bytes | None:
+        """The next line (without its newline), or None at the deadline or the end of the run's output."""
+        with self._cv:
+            while True:
+                i = self._buf.find(b"\n")
+                if i >= 0:
+                    line = bytes(self._buf[:i])
+                    del self._buf[:i + 1]
+                    return line
+                left = deadline - time.monotonic()
+                if self.closed or left <= 0:
+                    return None
+                self._cv.wait(min(left, 0.5))
+
+    def write(self, data: bytes, deadline: float) -> bool:
+        """Write all of ``data`` to the run's stdin by ``deadline``; False if it could not."""
+        import select
+
+        view = memoryview(data)
+        with self._wlock:
+            while view:
+                if self._fd is None:
+                    with self._cv:
+                        if self._fd is None and not self.closed:
+                            self._cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                if self._fd is None or self._fd < 0 or self.closed or time.monotonic() >= deadline:
+                    return False
+                if not select.select([], [self._fd], [], min(0.05, max(0.0, deadline - time.monotonic())))[1]:
+                    continue
+                try:
+                    view = view[os.write(self._fd, view):]
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return False
+        return True
+
+    def stop(self, reason: str) -> None:
+        with self._cv:
+            self.reason = self.reason or reason
+            self.stop_at = time.monotonic()
+            self._cv.notify_all()
+        self._close_stdin()
+
+    def finish(self, grace: float = 0.2) -> None:
+        self._close_stdin()
+        with self._cv:
+            self.stop_at = time.monotonic() + grace if self.stop_at is None else self.stop_at
 
 
 # --------------------------------------------------------------------------------------------
@@ -977,6 +1069,7 @@ def run_in_sandbox(
     env: dict[str, str] | None = None,
     ro_paths: Sequence[str] = (),
     cpu_cores: float | None = 1.0,
+    channel: "Channel | None" = None,
 ) -> SandboxResult:
     """Run ``code`` (a Python program) in the sandbox; never raises for anything the program does.
 
@@ -990,14 +1083,16 @@ def run_in_sandbox(
     paths made visible read-only (e.g. a site-packages directory the programs may import from).
     ``cpu_cores`` is the run's CPU bandwidth, all its processes together (cgroup ``cpu.max`` /
     ``cpu.cfs_quota_us``, where the cpu controller is usable; None: unlimited), so a run that forks
-    spinners cannot starve the runs beside it.
+    spinners cannot starve the runs beside it. ``channel`` (a :class:`Channel`, instead of ``stdin``): the
+    run's stdin and stdout are live, line by line, for a caller in another thread (the result's stdout is
+    then empty); the run ends at EOF, at ``timeout``, or when the caller stops the channel.
     """
     caps = sandbox_capabilities()
     return _run(caps, caps.get("_cgroups"), code, timeout=timeout, cpu_time=cpu_time, memory_mb=memory_mb,
                 total_memory_mb=total_memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes,
                 stdin=stdin, max_file_mb=max_file_mb, workdir_mb=workdir_mb, max_files=max_files,
                 max_open_files=max_open_files, network=network, python=python, env=env, ro_paths=ro_paths,
-                cpu_cores=cpu_cores)
+                cpu_cores=cpu_cores, channel=channel)
 
 
 def _bwrap_argv(caps: dict, workdir: Path, python: str, network: bool, ro_paths: Sequence[str],
@@ -1038,7 +1133,7 @@ def _bwrap_argv(caps: dict, workdir: Path, python: str, network: bool, ro_paths:
 
 def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memory_mb, max_processes,
          max_output_bytes, stdin, max_file_mb, workdir_mb, max_files, max_open_files, network, python, env,
-         ro_paths, cpu_cores=1.0) -> SandboxResult:
+         ro_paths, cpu_cores=1.0, channel=None) -> SandboxResult:
     start = time.monotonic()
     py = python or caps["python"]
     if py is None:
@@ -1123,7 +1218,10 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             "env": prog_env,
         }
         stdin_r = None
-        if stdin is not None:
+        if channel is not None:
+            stdin_r, stdin_w = os.pipe()
+            channel._attach(stdin_w)
+        elif stdin is not None:
             # A pipe, not a file: once read, the program cannot seek back and read it again.
             data = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
             stdin_r, stdin_w = os.pipe()
@@ -1153,8 +1251,8 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             init_pidfd = _init_pidfd(info_r, proc.pid)
         poll_memory = None if run_cg is not None else total_mb
         stdout, stderr, timed_out, over, truncated, mem_over = _collect(
-            proc, start + timeout, max_output_bytes, poll_memory)
-        if timed_out or over or mem_over:
+            proc, start + timeout, max_output_bytes, poll_memory, channel)
+        if timed_out or over or mem_over or (channel is not None and channel.reason):
             _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
         # Wait for the stub/bwrap to exit *without reaping it*, so that its pid (our process group and
         # session id) cannot be reused while we kill what the program left behind.
@@ -1181,7 +1279,9 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             rc = -(rc - 128)  # bubblewrap reports a signal death as 128 + signal
         oom = run_cg.oom_killed() if run_cg else False
         reason = None
-        if timed_out:
+        if channel is not None and channel.reason is not None:
+            reason = channel.reason
+        elif timed_out:
             reason = "timeout"
         elif over:
             reason = "output_limit"
@@ -1206,6 +1306,8 @@ def _run(caps: dict, cg, code: str, *, timeout, cpu_time, memory_mb, total_memor
             peak_memory_mb=run_cg.peak_mb() if run_cg else None,
         )
     finally:
+        if channel is not None:
+            channel._eof()
         if proc is not None:
             if proc.returncode is None:  # an exception above: make sure nothing survives
                 _kill_run(proc.pid, init_pidfd, run_cg, slot.uid)
@@ -1341,9 +1443,10 @@ def _killpg(pgid: int) -> None:
 
 
 def _collect(proc: subprocess.Popen, deadline: float, cap: int,
-             poll_memory_mb: int | None) -> tuple[bytes, bytes, bool, bool, bool, bool]:
+             poll_memory_mb: int | None, channel: "Channel | None" = None) -> tuple[bytes, bytes, bool, bool, bool, bool]:
     """Read stdout/stderr up to ``cap`` bytes each until EOF, exit, deadline, overflow or (polling
-    fallback) the run's resident memory exceeding ``poll_memory_mb``."""
+    fallback) the run's resident memory exceeding ``poll_memory_mb``. With a ``channel``, stdout goes to it
+    (``cap`` bounds what it holds unread) and the channel's stop ends the run."""
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     for fd in bufs:
         os.set_blocking(fd, False)
@@ -1359,6 +1462,9 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int,
             if now >= deadline:
                 timed_out = True
                 break
+            if channel is not None and channel.stop_at is not None and now >= channel.stop_at:
+                channel.reason = channel.reason or "finished"
+                break
             if exited_at is None and _exited_nowait(proc.pid):
                 exited_at = now
             if exited_at is not None and now - exited_at > 0.05:
@@ -1369,7 +1475,10 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int,
                 if _tree_rss_mb(proc.pid) > poll_memory_mb:
                     mem_over = True
                     break
-            for key, _ in sel.select(timeout=min(0.05, max(0.0, deadline - now))):
+            wait = min(0.05, max(0.0, deadline - now))
+            if channel is not None and channel.stop_at is not None:
+                wait = max(0.0, min(wait, channel.stop_at - now))
+            for key, _ in sel.select(timeout=wait):
                 fd = key.fd
                 try:
                     data = os.read(fd, 65536)
@@ -1379,6 +1488,12 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int,
                     data = b""
                 if not data:
                     sel.unregister(fd)
+                    continue
+                if channel is not None and fd == proc.stdout.fileno():
+                    if not channel._feed(data, cap):
+                        channel.reason = channel.reason or "output_limit"
+                        over = True
+                        break
                     continue
                 buf = bufs[fd]
                 room = cap - len(buf)
@@ -1451,6 +1566,13 @@ class SandboxPool:
             for i, c in enumerate(codes)
         ]
         return [f.result() for f in futs]
+
+    def map(self, fn, items: Sequence) -> list:
+        """``[fn(item) for item in items]``, run in the pool's worker threads; results in input order."""
+        items = list(items)
+        if self.max_workers == 1 or len(items) <= 1:
+            return [fn(x) for x in items]
+        return [f.result() for f in [self._pool().submit(fn, x) for x in items]]
 
     def run_groups(self, groups: Sequence[Sequence[tuple[str, str | bytes | None]]],
                    budget: float | Sequence[float] | None = None, **overrides) -> list[list[SandboxResult]]:

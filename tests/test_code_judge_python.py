@@ -1,0 +1,234 @@
+"""Issue #37: the tests run as Python in a program-free process, the program only answers calls.
+
+Each case of the issue, end to end through the code reward (batched: one reward call scores many
+samples): the leaks of the static planner score 0 for a program that searches its whole process for the
+expected value, Python's own semantics decide the forms the planner got wrong, and correct programs
+score what ``python program.py && python tests.py`` gives."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+
+from grpo_variants.rewards import make_code_reward
+
+
+def _d(s: str) -> str:
+    return textwrap.dedent(s).lstrip("\n")
+
+
+# A program with no arithmetic of its own: it looks for the expected value everywhere in its process (every
+# module's globals, every frame of every thread, every object the collector tracks, every string and bytes
+# there, its stdin and every other descriptor) and returns what it finds, else -1. ``_want`` says what the
+# expected value would be (so a found value is the expected one, and nothing is found by accident).
+FINDER = _d(
+    r'''
+    import gc, os, sys
+
+    def _search(want, skip):
+        text = repr(want).encode()
+        seen = []
+        for f in list(sys._current_frames().values()):
+            while f is not None:
+                seen += [f.f_locals, f.f_globals]
+                f = f.f_back
+        seen += [vars(m) for m in list(sys.modules.values()) if hasattr(m, "__dict__")]
+        seen += gc.get_objects()
+        for o in seen:
+            try:
+                items = list(o.values()) + list(o.keys()) if isinstance(o, dict) else list(o) if isinstance(
+                    o, (list, tuple, set, frozenset)) else [o]
+            except Exception:
+                continue
+            for v in items:
+                if v is skip or v is want or v is text:  # what it looks for is not what it finds
+                    continue
+                try:
+                    if type(v) is type(want) and v == want:
+                        return v
+                    if isinstance(v, (str, bytes, bytearray)) and text in (v.encode() if isinstance(v, str) else v):
+                        return want
+                except Exception:
+                    pass
+        for fd in range(0, 256):
+            try:
+                os.set_blocking(fd, False)
+                data = os.read(fd, 1 << 20)
+            except Exception:
+                continue
+            if text in data:
+                return want
+        return None
+
+    def add(a, b):
+        found = _search(a + b, None)  # a + b only names what to look for: the value returned is the one found
+        return -1 if found is None else found
+
+    def sort_in_place(lst):
+        found = _search(sorted(lst), lst)
+        if found is not None:
+            lst[:] = found
+    '''
+)
+CORRECT = "def add(a, b):\n    return a + b\n\ndef sort_in_place(lst):\n    lst.sort()\n"
+A, B, C = 1000003, 2000005, 3000008  # C = A + B, a number found nowhere else
+
+LEAKS = {
+    "index into a shared case": f"cases = [({A}, {B}, {C})]\nassert add(cases[0][0], cases[0][1]) == cases[0][2]",
+    "comprehension over cases": f"cases = [({A}, {B}, {C})]\nassert all(add(a, b) == c for a, b, c in cases)",
+    "dict case": f'case = {{"in": ({A}, {B}), "out": {C}}}\nassert add(*case["in"]) == case["out"]',
+    "unpacked over statements": f"t = ({A}, {B}, {C})\na, b, c = t\nassert add(a, b) == c",
+    "except-as binding": _d(f"""
+        try:
+            raise ValueError({C})
+        except ValueError as err:
+            assert add({A}, {B}) == err.args[0]
+        """),
+    "both sides program-side": f"data = [[{C}, {A}, {B}], [{A}, {B}, {C}]]\nsort_in_place(data[0])\n"
+                               f"assert data[0] == data[1]",
+    "HumanEval check(candidate)": _d(f"""
+        def check(candidate):
+            assert candidate({A}, {B}) == {C}
+        check(add)
+        """),
+    "unittest": _d(f"""
+        import unittest
+        class T(unittest.TestCase):
+            def test_add(self):
+                self.assertEqual(add({A}, {B}), {C})
+        """),
+    "table in a dict": f"table = {{({A}, {B}): {C}}}\nfor k, v in table.items():\n    assert add(*k) == v",
+    "literal": f"assert add({A}, {B}) == {C}",
+}
+
+
+def test_a_program_searching_its_whole_process_finds_no_expected_value():
+    names = sorted(LEAKS)
+    planted = FINDER + f"_planted = [{C}, [{A}, {B}, {C}]]\n"  # sanity: the search finds a value really there
+    completions = [FINDER] * len(names) + [CORRECT] * len(names) + [planted] * 2
+    tests = [[LEAKS[n]] for n in names] * 2 + [[LEAKS["literal"]], [LEAKS["both sides program-side"]]]
+    reward = make_code_reward("all")
+    out = reward(prompts=["p"] * len(completions), completions=completions, tests=tests)
+    n = len(names)
+    assert out[:n] == [0.0] * n, {k: (s, r) for k, s, r in zip(names, out, reward.last_reasons) if s}
+    assert out[n:2 * n] == [1.0] * n, {k: r for k, s, r in zip(names, out[n:], reward.last_reasons[n:]) if s != 1}
+    assert out[2 * n:] == [1.0, 1.0], reward.last_reasons[2 * n:]
+
+
+# (program, tests, Python's verdict): names the tests bind themselves, chained comparisons, values the
+# planner could not carry.
+PYTHON = {
+    "star import (hack)": ("def f(x):\n    return 1\ndef sqrt(x):\n    return 1\n",
+                           "from math import *\nassert f(16) == sqrt(16)", 0.0),
+    "star import (correct)": ("def f(x):\n    return 4.0\n", "from math import *\nassert f(16) == sqrt(16)", 1.0),
+    "global in a helper (hack)": ("N = 1\ndef f(x):\n    return 2\n",
+                                  "def setup():\n    global N\n    N = 5\nsetup()\nassert f(N) == 2 * N", 0.0),
+    "global in a helper (correct)": ("def f(x):\n    return 2 * x\n",
+                                     "def setup():\n    global N\n    N = 5\nsetup()\nassert f(N) == 2 * N", 1.0),
+    "match capture (hack)": ("a = b = 0\ndef add(x, y):\n    return 0\n",
+                             "match (3, 4):\n    case (a, b):\n        assert add(a, b) == 7", 0.0),
+    "match capture (correct)": (CORRECT, "match (3, 4):\n    case (a, b):\n        assert add(a, b) == 7", 1.0),
+    "exec (hack)": ("E = 0\ndef add(a, b):\n    return 0\n", 'exec("E = 7")\nassert add(3, 4) == E', 0.0),
+    "exec (correct)": (CORRECT, 'exec("E = 7")\nassert add(3, 4) == E', 1.0),
+    "impossible chain": ("n = [0]\ndef pick():\n    n[0] += 1\n    return 4 if n[0] % 2 else 1\n",
+                         "assert 3 < pick() < 2", 0.0),
+    "10**5000": ("def big():\n    return 10 ** 5000\n", "assert big() == 10 ** 5000", 1.0),
+    "Counter": ("from collections import Counter\ndef count(s):\n    return Counter(s)\n",
+                'from collections import Counter\nassert count("abca") == Counter({"a": 2, "b": 1, "c": 1})', 1.0),
+    "dict.keys()": ('def keys():\n    return {"a": 1, "b": 2}.keys()\n', 'assert keys() == {"a", "b"}', 1.0),
+    "Fraction": ("from fractions import Fraction\ndef half():\n    return Fraction(1, 2)\n",
+                 "from fractions import Fraction\nassert half() == Fraction(2, 4)", 1.0),
+    "in range": ("def pick():\n    return 7\n", "assert pick() in range(10)", 1.0),
+    "push returns its list": ("def push(lst, x):\n    lst.append(x)\n    return lst\n",
+                              "lst = [1]\nassert push(lst, 3) == lst\nassert lst == [1, 3]", 1.0),
+    "unittest (correct)": (CORRECT, _d("""
+        import unittest
+        class T(unittest.TestCase):
+            def test_add(self):
+                self.assertEqual(add(1, 2), 3)
+            def test_sort(self):
+                x = [2, 1]
+                sort_in_place(x)
+                self.assertEqual(x, [1, 2])
+        if __name__ == "__main__":
+            unittest.main()
+        """), 1.0),
+    "unittest (wrong)": ("def add(a, b):\n    return a - b\n", _d("""
+        import unittest
+        class T(unittest.TestCase):
+            def test_add(self):
+                self.assertEqual(add(1, 2), 3)
+        """), 0.0),
+    "an object of the program is never compared": (
+        ("class Always:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+         "def f():\n    return Always()\n"), "assert f() == 3", 0.0),
+    "a handle's methods go to the program": (
+        ("class Stack:\n    def __init__(self):\n        self.x = []\n    def push(self, v):\n        self.x.append(v)\n"
+         "    def pop(self):\n        return self.x.pop()\n"),
+        "s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert len(s.x) == 1", 1.0),
+    "the program's import math serves the tests": ("import math\ndef f(x):\n    return math.sqrt(x)\n",
+                                                    "assert math.isclose(f(4), 2.0)", 1.0),
+    "a module under another name stays the program's": ("import os as math\ndef f(x):\n    return 2.0\n",
+                                                         "assert math.floor(f(4)) == 2", 0.0),
+    "pytest style (correct)": (CORRECT, "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n", 1.0),
+    "pytest style (wrong)": ("def add(a, b):\n    return 0\n",
+                             "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n", 0.0),
+    "a program's builtin stays the program's": ("def sorted(x):\n    return [0]\ndef f(x):\n    return [0]\n",
+                                                "x = [3, 1]\nassert f(x) == sorted(x)", 0.0),
+    "except what the program raises": ("def f(x):\n    raise ValueError('no')\n",
+                                       "try:\n    f(1)\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok",
+                                       1.0),
+}
+
+
+def test_python_decides_every_form():
+    names = sorted(PYTHON)
+    reward = make_code_reward("all")
+    out = reward(prompts=["p"] * len(names), completions=[PYTHON[n][0] for n in names],
+                 tests=[[PYTHON[n][1]] for n in names])
+    got = dict(zip(names, out))
+    want = {n: PYTHON[n][2] for n in names}
+    assert got == want, {n: reward.last_reasons[i] for i, n in enumerate(names) if got[n] != want[n]}
+
+
+def test_partial_credit_per_test_and_what_is_refused():
+    tests = _d("""
+        assert add(1, 2) == 3
+        assert add(2, 2) == 5
+        import unittest
+        class T(unittest.TestCase):
+            def test_a(self):
+                self.assertEqual(add(0, 0), 0)
+            def test_b(self):
+                self.assertEqual(add(1, 1), 3)
+        """)
+    frac = make_code_reward("fraction")
+    assert frac(prompts=["p"], completions=[CORRECT], tests=[[tests, {"input": "", "output": "hi"}]]) == [2 / 5]
+    # A test that passes the program a function of the tests' own is refused (code never crosses).
+    refused = ["assert add(1, 2) == 3", "assert add(lambda: 1, 2) == 3"]
+    with pytest.raises(Exception, match="unsupported test"):
+        make_code_reward("all")(prompts=["p"], completions=[CORRECT], tests=[refused])
+    fail = make_code_reward("fraction", on_unsupported="fail")
+    assert fail(prompts=["p"], completions=[CORRECT], tests=[refused]) == [0.5] and fail.last_unsupported == 1
+    skip = make_code_reward("fraction", on_unsupported="skip")
+    assert skip(prompts=["p"], completions=[CORRECT], tests=[refused]) == [1.0]
+
+
+def test_the_trainer_waits_no_longer_than_the_budget_whatever_the_program_does():
+    stall_in_call = ("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+                     "def add(a, b):\n    while True:\n        pass\n")
+    sleep_in_call = "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\ndef add(a, b):\n" \
+                    "    time.sleep(60)\n"
+    stall_at_import = "while True:\n    pass\n"
+    closes_its_pipes = "import os\nfor fd in range(3, 64):\n    try:\n        os.close(fd)\n    except OSError:\n" \
+                       "        pass\ndef add(a, b):\n    return a + b\n"
+    completions = [stall_in_call, sleep_in_call, stall_at_import, closes_its_pipes, CORRECT]
+    reward = make_code_reward("all", max_workers=len(completions), time_factor=2.0, min_timeout=0.5)
+    t = time.monotonic()
+    out = reward(prompts=["p"] * 5, completions=completions, tests=[["assert add(1, 2) == 3"]] * 5)
+    took = time.monotonic() - t
+    assert out == [0.0, 0.0, 0.0, 0.0, 1.0], reward.last_reasons
+    budget = max(reward.last_budgets)
+    assert budget < 10.0 and took < budget * 1.5 + 1.0 + 2.0, (took, budget)  # start-up + budget + 1 s, not 10 s
