@@ -25,6 +25,7 @@ from grpo_variants.rollout.adaptive_clip import check_adaptive_clip_composition,
 from grpo_variants.errors import ConfigError
 from grpo_variants.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
 from grpo_variants.rollout.stages import derive_stage, take_over_batch_fields
+from grpo_variants.rollout.vllm_engine import check_vllm_config
 
 # TRL loss_type -> our aggregation name (the loss types whose policy term we compose ourselves)
 TRL_LOSS_TYPE_TO_AGGREGATION = {
@@ -317,6 +318,23 @@ class GRPOVariantConfig(GRPOConfig):
                     "sequence of the micro-batch, so attention never costs more than padded."
         },
     )
+    # ---- vLLM rollouts (grpo_variants.rollout.vllm_engine) ---------------------------------------
+    vllm_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "dtype of the colocated vLLM engine: 'auto' (the checkpoint's, vLLM's rule) | float32 | bfloat16 | "
+            "float16. Announced in one line once the engine is up. float32 makes TRL's "
+            "sampling/sampling_logp_difference right after a sync float noise."
+        },
+    )
+    vllm_reuse_engine: bool = field(
+        default=False,
+        metadata={
+            "help": "Reuse a colocated vLLM engine started earlier in this process for the same model, dtype and "
+            "context length instead of starting another (36-80 s on CPU); this trainer's weights are synced into it "
+            "before its first rollout. Said in one line."
+        },
+    )
     # ---- console ---------------------------------------------------------------------------
     verbose: bool = field(
         default=False,
@@ -364,6 +382,7 @@ class GRPOVariantConfig(GRPOConfig):
         if stage_request is not None:
             derive_stage(self, stage_request)  # TRL's batch fields from the stage (grpo_variants.rollout.stages)
         check_adaptive_clip_composition(self)
+        check_vllm_config(self)  # vllm_dtype, sleep mode on CPU (grpo_variants.rollout.vllm_engine)
         budget = self.padding_free_max_tokens
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"padding_free_max_tokens ({budget!r}) must be an integer >= 1 or None.")
