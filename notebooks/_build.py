@@ -21,12 +21,31 @@ import time
 
 import torch
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))  # the toy model runs on CPU
+# the toy model runs on CPU; OMP_NUM_THREADS, when set (the test suite sets 1), wins
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, min(4, os.cpu_count() or 1)))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import matplotlib.pyplot as plt
 
 %matplotlib inline"""
+
+def parameters_cell(source: str):
+    """A code cell tagged ``parameters`` (papermill's convention): the run's size, which a test may override by
+    executing a cell of its own right after it."""
+    cell = new_code_cell(source)
+    cell.metadata["tags"] = ["parameters"]
+    return cell
+
+
+PARAMETERS_01 = parameters_cell("""\
+MAX_STEPS = 40  # optimizer steps of 128 completions
+EVAL_EVERY = 10  # held-out evaluation every EVAL_EVERY steps
+EVAL_SIZE = 200  # held-out problems per evaluation""")
+
+PARAMETERS_02 = parameters_cell("""\
+BUDGET_TOKENS = 16_000  # generated tokens per arm (about 35 GRPO steps of 128 completions)
+EVAL_EVERY = 5  # held-out evaluation every EVAL_EVERY steps
+EVAL_SIZE = 200  # held-out problems per evaluation""")
 
 QUICKSTART = [
     new_markdown_cell("""\
@@ -51,9 +70,13 @@ print("train / held-out problems:", len(kit.train_dataset), "/", len(kit.eval_da
 kit.train_dataset.select(range(3)).to_pandas()"""),
     new_markdown_cell("""\
 The held-out set is never trained on. We evaluate greedy accuracy on 200 of its problems (about
-±3.5 points of standard error: enough to see learning, not to rank close variants)."""),
+±3.5 points of standard error: enough to see learning, not to rank close variants).
+
+The next cell holds the run's size (tagged `parameters`, papermill's convention): the test suite executes
+this notebook with a few steps to check that it runs; the numbers discussed here come from these values."""),
+    PARAMETERS_01,
     new_code_cell("""\
-eval_set = kit.eval_dataset.select(range(200))
+eval_set = kit.eval_dataset.select(range(EVAL_SIZE))
 before = toy.evaluate(kit.model_path, eval_set)
 print(f"held-out greedy accuracy before RL: {before:.1%}")"""),
     new_markdown_cell("""\
@@ -74,7 +97,7 @@ out = Path(tempfile.mkdtemp(prefix="grpo-quickstart-"))
 spec = get_variant("grpo")
 config = spec.config_cls(
     output_dir=str(out / "checkpoints"),
-    max_steps=40,
+    max_steps=MAX_STEPS,
     per_device_train_batch_size=128,  # completions per step: 16 prompts x 8 completions
     num_generations=8,
     max_completion_length=6,
@@ -90,7 +113,7 @@ config = spec.config_cls(
 print(f"{spec.name}: beta={config.beta}, epsilon={config.epsilon}, loss_type={config.loss_type}, "
       f"scale_rewards={config.scale_rewards}")
 
-evaluator = ToyEvalCallback(eval_set, tokenizer, every=10)
+evaluator = ToyEvalCallback(eval_set, tokenizer, every=EVAL_EVERY)
 trainer = spec.trainer_cls(
     model=kit.model_path,
     reward_funcs="toy_accuracy",  # a registered reward; any TRL-style callable works too
@@ -187,16 +210,19 @@ from grpo_variants import lab, list_variants
 print("registered variants:", [spec.name for spec in list_variants()])
 print("shared recipe:", {k: lab.TOY_CONFIG[k] for k in ("per_device_train_batch_size", "num_generations",
                                                          "max_completion_length", "temperature", "learning_rate")})
-VARIANTS = ["grpo", "dapo", "dr_grpo", "mu_grpo"]
-BUDGET_TOKENS = 16_000  # generated tokens per arm (about 35 GRPO steps of 128 completions)"""),
+VARIANTS = ["grpo", "dapo", "dr_grpo", "mu_grpo"]"""),
+    new_markdown_cell("""\
+The comparison's size (tagged `parameters`, papermill's convention: the test suite executes this notebook
+with a small budget to check that it runs; what is discussed below comes from these values)."""),
+    PARAMETERS_02,
     new_code_cell("""\
 result = lab.compare(
     VARIANTS,
     task="addition",
     seeds=[0],
     budget_tokens=BUDGET_TOKENS,
-    eval_every=5,
-    eval_size=200,  # held-out problems per evaluation
+    eval_every=EVAL_EVERY,
+    eval_size=EVAL_SIZE,  # held-out problems per evaluation
 )"""),
     new_markdown_cell("""\
 ## Summary

@@ -106,3 +106,100 @@ def exit_without_teardown(code: int = 0) -> None:
     _sys.stdout.flush()
     _sys.stderr.flush()
     os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Suite cost: peak memory per pytest process, models released between tests, slow tests scheduled first.
+# `make test` runs two xdist workers; each must stay under MEMORY_LIMIT_GB (docs/contributing.md).
+MEMORY_LIMIT_GB = 4.0
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def _release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+_PEAK = {"rss": 0, "test": None}  # this process's peak RSS so far and the test during which it was reached
+
+
+@pytest.fixture(autouse=True)
+def _release_models_after_each_test(request):
+    """A test's models, trainers and optimizers are garbage once it ends; free them before the next test.
+
+    Trainers hold reference cycles (callbacks <-> trainer), so without a collection a worker carries the
+    last tests' models into the next one and its peak grows with test order. Also notes which test raised
+    the process's peak memory (printed in the summary).
+    """
+    yield
+    peak = _peak_rss_bytes()
+    if peak > _PEAK["rss"]:
+        _PEAK.update(rss=peak, test=request.node.nodeid)
+    import psutil
+
+    if psutil.Process().memory_info().rss > 1 << 30:  # only when there is something worth freeing (>1 GB)
+        _release_memory()
+
+
+SHUFFLE_ENV = "GRPO_VARIANTS_TEST_SHUFFLE"  # an integer seed: run the tests in a shuffled order
+
+
+def pytest_report_header(config):
+    seed = os.environ.get(SHUFFLE_ENV)
+    if seed:
+        return f"test order shuffled with seed {seed} ({SHUFFLE_ENV}={seed} reproduces it)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first: with two workers, the long tests start early instead of one worker finishing last
+    with a multi-minute test while the other idles. Order within each class is kept (stable sort).
+
+    With ``$GRPO_VARIANTS_TEST_SHUFFLE`` set (CI's portability pass sets it), the order is a shuffle seeded by
+    it (the same in every xdist worker, which xdist requires): a test that relies on another's leftovers
+    fails there.
+    """
+    seed = os.environ.get(SHUFFLE_ENV)
+    if seed:
+        import random
+
+        random.Random(int(seed)).shuffle(items)
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand its peak to the controller
+        workeroutput["peak_rss"] = _peak_rss_bytes()
+        workeroutput["peak_test"] = _PEAK["test"]
+
+
+_WORKER_PEAKS: dict = {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    output = getattr(node, "workeroutput", {})
+    if output.get("peak_rss") is not None:
+        _WORKER_PEAKS[node.gateway.id] = (output["peak_rss"], output.get("peak_test"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    peaks = dict(_WORKER_PEAKS) or {"main": (_peak_rss_bytes(), _PEAK["test"])}
+    parts = ", ".join(f"{name} {value / 2**30:.2f} GB" + (f" (reached in {test})" if test else "")
+                      for name, (value, test) in sorted(peaks.items()))
+    worst = max(value for value, _ in peaks.values()) / 2**30
+    verdict = "within" if worst <= MEMORY_LIMIT_GB else "ABOVE"
+    terminalreporter.write_line(f"peak RSS per pytest process: {parts} ({verdict} the {MEMORY_LIMIT_GB:.0f} GB limit)")

@@ -33,7 +33,7 @@ the test's output:
   checkout's (``PYTHONPATH``), and ``make`` targets use ``.venv`` when ``make setup`` made it for this
   checkout (the fresh-clone set-up CI runs); otherwise a ``.venv`` that points at the running
   interpreter's environment, marked as installed, so ``make`` never installs anything from a test.
-* **No recursion.** A ``make test`` / ``make test-fast`` / ``make test-portable`` line (the suite itself)
+* **No recursion.** A ``make test`` / ``make test-fast`` / ``make test-portable`` / ``make test-vllm`` line (a suite)
   runs as ``make -n TARGET`` (the target exists and its recipe is printed), since running the suite from
   inside the suite would never end. CI runs ``make test`` itself (``.ci/run``).
 """
@@ -58,7 +58,7 @@ RUNNERS = {"python": "python", "bash": "bash", "sh": "bash", "shell": "bash", "c
 DATA_LANGUAGES = {"yaml", "json", "toml", "text"}
 MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(?P<tags>.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
-SUITE_TARGETS = re.compile(r"^(\s*)make\s+(test|test-fast|test-portable)\b")
+SUITE_TARGETS = re.compile(r"^(\s*)make\s+(test|test-fast|test-portable|test-vllm)\b")
 
 # Blocks that fail on main because of a bug another change fixes: (file, a line of the block) -> reason.
 # Strict: the test fails once the bug is fixed, so the entry is removed then.

@@ -66,7 +66,7 @@ def _stray_processes() -> list[int]:
     """Sandbox-uid processes whose uid slot is *not* held by a running sandbox (in any process)."""
     strays = []
     for pid, uid in _sandbox_uid_pids().items():
-        fd = os.open(sb._sandbox_base() / "locks" / f"uid-{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(sb._uid_lock_dir() / f"uid-{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)  # the slots' own lock dir
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

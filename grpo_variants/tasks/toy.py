@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from grpo_variants.errors import ConfigError
+from grpo_variants.tasks.cache import build_lock
 from grpo_variants.rewards.registry import reward
 
 __all__ = [
@@ -544,9 +545,18 @@ def warm_start(
     """
     config = config or WarmStartConfig()
     out = Path(output_dir) if output_dir is not None else cache_dir() / "toy" / f"warm-{config.key()}"
-    if (out / "warmstart.json").exists() and not force:
+    if not force and (out / "warmstart.json").exists():
         _warn_if_out_of_band(json.loads((out / "warmstart.json").read_text()))
         return out
+    with build_lock(out):  # another process may be building this entry: wait, then reuse what it built
+        if not force and (out / "warmstart.json").exists():
+            _warn_if_out_of_band(json.loads((out / "warmstart.json").read_text()))
+            return out
+        return _train_warm_start(out, config, verbose)
+
+
+def _train_warm_start(out: Path, config: WarmStartConfig, verbose: bool) -> Path:
+    """Train the toy policy of ``config`` and write it to ``out`` (the caller holds the entry's build lock)."""
 
     def log(message: str) -> None:
         if verbose:
@@ -628,6 +638,24 @@ def _warn_if_out_of_band(meta: dict) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
+def _save_random_model(path: Path, seed: int) -> None:
+    """Save a randomly initialised toy model and its tokenizer at ``path`` unless it is there already."""
+    if (path / "config.json").exists():
+        return
+    tokenizer = build_tokenizer()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+    try:
+        build_model(tokenizer, seed=seed).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 @dataclass
 class ToyKit:
     """Everything a toy run needs: a model folder, the tokenizer, and train/eval datasets."""
@@ -685,15 +713,8 @@ def prepare(
         meta = json.loads((path / "warmstart.json").read_text())
     else:
         path = cache_dir() / "toy" / f"random-seed{seed}"
-        if not (path / "config.json").exists():
-            tokenizer = build_tokenizer()
-            tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent if path.parent.exists() else None))
-            build_model(tokenizer, seed=seed).save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists():
-                shutil.rmtree(path)
-            shutil.move(str(tmp), str(path))
+        with build_lock(path):
+            _save_random_model(path, seed)
         meta = {"steps": 0, "probe_accuracy": None}
     kwargs = dict(task=task, difficulty=difficulty, num_eval=num_eval, conversational=conversational, seed=seed)
     return ToyKit(

@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from grpo_variants.tasks import toy
+from grpo_variants.tasks.cache import build_lock
 from grpo_variants.errors import ConfigError
 from grpo_variants.rewards.registry import reward
 from grpo_variants.rewards.steps import step_reward
@@ -448,8 +449,16 @@ def warm_start(output_dir=None, config: ReasoningWarmStartConfig | None = None, 
     ``warmstart.json`` with steps, probe accuracy, lengths of right / wrong answers and the history)."""
     config = config or ReasoningWarmStartConfig()
     out = Path(output_dir) if output_dir is not None else toy.cache_dir() / "toy" / f"chain-warm-{config.key()}"
-    if (out / "warmstart.json").exists() and not force:
+    if not force and (out / "warmstart.json").exists():
         return out
+    with build_lock(out):  # another process may be building this entry: wait, then reuse what it built
+        if not force and (out / "warmstart.json").exists():
+            return out
+        return _train_warm_start(out, config, verbose)
+
+
+def _train_warm_start(out: Path, config: ReasoningWarmStartConfig, verbose: bool) -> Path:
+    """Train the chain policy of ``config`` and write it to ``out`` (the caller holds the entry's build lock)."""
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     tokenizer = build_tokenizer()
@@ -510,6 +519,25 @@ def warm_start(output_dir=None, config: ReasoningWarmStartConfig | None = None, 
     return out
 
 
+def _save_random_model(path: Path, seed: int) -> None:
+    """Save a randomly initialised chain-task model and its tokenizer at ``path`` unless it is there already."""
+    if (path / "config.json").exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+    try:
+        tokenizer = build_tokenizer()
+        toy.build_model(tokenizer, toy.ToyModelConfig(max_position_embeddings=MAX_POSITIONS), seed=seed
+                        ).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 @dataclass
 class ReasoningKit(toy.ToyKit):
     """A :class:`~grpo_variants.tasks.toy.ToyKit` for the chain task, with its reward, budget and evaluator."""
@@ -538,16 +566,8 @@ def prepare(task: str = "chain", difficulty=None, *, num_eval: int = 500, conver
         meta = json.loads((path / "warmstart.json").read_text())
     else:
         path = toy.cache_dir() / "toy" / f"chain-random-seed{seed}"
-        if not (path / "config.json").exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-            tokenizer = build_tokenizer()
-            toy.build_model(tokenizer, toy.ToyModelConfig(max_position_embeddings=MAX_POSITIONS), seed=seed
-                            ).save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
+        with build_lock(path):
+            _save_random_model(path, seed)
         meta = {"steps": 0, "probe_accuracy": None}
     kwargs = dict(difficulty=difficulty, num_eval=num_eval, conversational=conversational)
     return ReasoningKit(model_path=str(path), train_dataset=make_dataset("train", **kwargs),
