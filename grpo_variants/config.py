@@ -327,6 +327,14 @@ class GRPOVariantConfig(GRPOConfig):
             "sampling/sampling_logp_difference right after a sync float noise."
         },
     )
+    vllm_enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the colocated vLLM engine eagerly (vLLM's enforce_eager: no torch.compile / CUDA graph "
+            "capture). On CPU the engine then starts in seconds instead of ~45 s and generates somewhat slower; "
+            "the sync and the log-probs are the same. Announced with the engine's dtype."
+        },
+    )
     vllm_reuse_engine: bool = field(
         default=False,
         metadata={
