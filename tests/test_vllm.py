@@ -282,7 +282,8 @@ def test_mu_grpo_veto_acts_on_ratios_to_recomputed_behaviour_logprobs(shared_eng
         assert torch.equal(out.stats["veto_triggers"], triggers)
         assert torch.equal(out.stats["vetoed"], triggers)  # scope T: exactly the triggers
         assert torch.all(out.per_token_loss[triggers] == 0)
-        assert weights is not None and (weights[mask > 0] - 1).abs().max().item() < 1e-3
+        assert weights is not None  # TRL's IS weight (per token or per sequence, by vllm_importance_sampling_mode)
+        assert (weights.expand_as(mask)[mask > 0] - 1).abs().max().item() < 1e-3
 
 
 def test_dynamic_sampling_carried_groups_keep_their_own_behaviour_logprobs(shared_engine, kit, tmp_path):
@@ -293,6 +294,7 @@ def test_dynamic_sampling_carried_groups_keep_their_own_behaviour_logprobs(share
 
     trainer = _toy_trainer("dapo", tmp_path, kit, reward_funcs=three_of_every_four_groups, max_steps=2,
                            per_device_train_batch_size=16, dynamic_sampling_topup="full", learning_rate=1e-2,
+                           mini_batches_per_rollout=1,  # one rollout per step (DAPO's default: 16 steps per rollout)
                            lr_scheduler_type="constant")
     assert trainer.args.dynamic_sampling and trainer.vllm_generation.llm is shared_engine
     checks = []
@@ -301,7 +303,10 @@ def test_dynamic_sampling_carried_groups_keep_their_own_behaviour_logprobs(share
         carried = batch["carried_rows"] > 0
         mask = batch["completion_mask"] > 0
         diff = (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * mask
-        ratio_rebuilt = torch.exp(torch.nan_to_num(diff, nan=0.0))
+        diff = torch.nan_to_num(diff, nan=0.0)
+        if batch["importance_sampling_ratio"].size(1) == 1:  # TRL's sequence-level modes (its default)
+            diff = diff.sum(dim=1, keepdim=True)
+        ratio_rebuilt = torch.exp(diff)
         now = None
         if carried.any():  # what the current policy gives for the carried rows
             rows = carried.nonzero().flatten()
@@ -317,8 +322,9 @@ def test_dynamic_sampling_carried_groups_keep_their_own_behaviour_logprobs(share
     assert [c[0] for c in checks] == [0, 2]  # 3 of 4 groups qualify per round: 3 + 3 -> 2 carried into step 2
     _, carried, mask, batch, ratio_rebuilt, now = checks[1]
     assert carried.sum().item() == 8
-    assert torch.allclose(batch["importance_sampling_ratio"] * mask, ratio_rebuilt * mask)
-    assert (batch["importance_sampling_ratio"][mask] - 1).abs().max().item() < 1e-3
+    is_ratio = batch["importance_sampling_ratio"].expand_as(mask)[mask]
+    assert torch.allclose(is_ratio, ratio_rebuilt.expand_as(mask)[mask])  # each row's ratio from its own log-probs
+    assert (is_ratio - 1).abs().max().item() < 1e-3
     moved = ((now - batch["old_per_token_logps"][carried]) * mask[carried]).abs().max().item()
     assert moved > 1e-2  # the policy moved: a carried row re-scored now would not be its own behaviour
 
