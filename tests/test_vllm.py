@@ -55,7 +55,9 @@ def _prompt_logps(llm, sequences) -> list[torch.Tensor]:
 
 
 def _gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+    gap = max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+    print(f"max |log-prob difference| over {sum(len(x) for x in a)} tokens: {gap:.3g}")  # shown with -s / -rP
+    return gap
 
 
 def _fresh_engine_logps(model, source_dir, target_dir, sequences) -> list[torch.Tensor]:
