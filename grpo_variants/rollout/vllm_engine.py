@@ -42,7 +42,7 @@ from grpo_variants.errors import ConfigError
 
 __all__ = [
     "VLLM_DTYPES",
-    "VariantVLLMGeneration",
+    "VariantVLLMGeneration",  # noqa: F822  (built on first use: module __getattr__)
     "check_vllm_config",
     "engine_dtype",
     "engine_model",
