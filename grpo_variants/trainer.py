@@ -49,6 +49,7 @@ from grpo_variants.rollout.logprobs import SampledLogprobRecorder
 from grpo_variants.rollout.packed_forward import PaddingFreeMixin
 from grpo_variants.rollout.sampling import DynamicSamplingMixin
 from grpo_variants.rollout.stages import StageRolloutMixin
+from grpo_variants.rollout.vllm_engine import variant_vllm_generation
 from grpo_variants.validation import (  # noqa: F401  (re-exported: the checks were importable from here)
     _HUB_ID,
     check_dataset,
@@ -360,19 +361,22 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         self._rollout_logps = None  # behaviour log-probs recorded during the last HF generate call
         self._rollout_logps_expected = False  # a recorded generate awaits its behaviour pass
         self.rollout_logprob_failures: list[str] = []  # why a recording was not usable (then TRL recomputes)
-        super().__init__(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-            **kwargs,
-        )
+        with variant_vllm_generation(args):  # TRL builds our VLLMGeneration subclass (grpo_variants.rollout.vllm_engine)
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+                **kwargs,
+            )
+        if self.use_vllm and self.accelerator.is_main_process and hasattr(self.vllm_generation, "announcement"):
+            logger.warning(self.vllm_generation.announcement())  # the engine's dtype, reuse (one line)
         self._check_stage_dataset()
         self._check_padding_free()  # grpo_variants.rollout.packed_forward: refuse what packing cannot do
         self.loss_spec = self._build_loss_spec()

@@ -65,6 +65,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "trainer)", "", {}, "kl_in_reward=True needs multi_objective_aggregation"),
     Refusal("use_vllm", "True with our `behaviour_logprobs='rollout'` (vLLM returns its own log-probs)",
             "GRPOVariantConfig", dict(use_vllm=True, behaviour_logprobs="rollout"), "behaviour_logprobs='rollout'"),
+    Refusal("vllm_enable_sleep_mode", "True in colocate mode on a machine without a GPU (vLLM's CPU backend has no "
+            "sleep mode; docs/vllm.md)", "GRPOVariantConfig",
+            dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True), "no sleep mode on its CPU backend"),
 )
 
 # TRL fields TRL's loss reads, and what our composed loss does with them (docs/algorithms.md has the formulas).

@@ -65,7 +65,9 @@ def test_no_warning_from_our_checkpointing_field(recwarn):
     for value in (None, False, True):
         args = GRPOVariantConfig(output_dir="unused", report_to="none", gradient_checkpointing=value)
         expected = value if value is not None else False  # CPU: off unless set
-        assert args.gradient_checkpointing is expected and args.activation_checkpointing is expected
+        assert args.gradient_checkpointing is expected
+        # the new name exists only in recent transformers (not 5.17, the vLLM tier's)
+        assert getattr(args, "activation_checkpointing", expected) is expected
     assert not [w for w in recwarn if "checkpointing" in str(w.message)]
 
 

@@ -156,7 +156,7 @@ def vllm_kwargs(
     *,
     gpu_memory_utilization: float = 0.3,
     tensor_parallel_size: int = 1,
-    sleep_mode: bool = True,
+    sleep_mode: bool | None = None,
     server_base_url: str | None = None,
     importance_sampling_correction: bool = True,
     **extra,
@@ -164,7 +164,8 @@ def vllm_kwargs(
     """Config fields for TRL's vLLM rollouts, to splat into any variant config.
 
     ``mode="colocate"``: vLLM shares each training GPU (``gpu_memory_utilization`` of it), asleep
-    during updates when ``sleep_mode``. ``mode="server"``: generation runs in a separate
+    during updates when ``sleep_mode`` (default ``None``: asleep where a GPU is present; vLLM's CPU backend has no
+    sleep mode, and ``sleep_mode=True`` there is refused by the config, docs/vllm.md). ``mode="server"``: generation runs in a separate
     ``trl vllm-serve --model ...`` process on other GPUs, reached at ``server_base_url`` (default
     ``http://localhost:8000``). Extra keyword arguments are other ``vllm_*`` config fields.
     """
@@ -172,6 +173,10 @@ def vllm_kwargs(
         raise ConfigError(f"vllm_kwargs: mode={mode!r}; choose 'colocate' or 'server'.")
     values = dict(use_vllm=True, vllm_mode=mode, vllm_importance_sampling_correction=importance_sampling_correction)
     if mode == "colocate":
+        if sleep_mode is None:
+            import torch
+
+            sleep_mode = torch.cuda.is_available()
         values.update(vllm_gpu_memory_utilization=gpu_memory_utilization,
                       vllm_tensor_parallel_size=tensor_parallel_size, vllm_enable_sleep_mode=sleep_mode)
     elif server_base_url is not None:

@@ -1,0 +1,294 @@
+"""vLLM rollouts that are exact on every platform vLLM runs on, CPU included.
+
+TRL's ``VLLMGeneration`` (``trainer.vllm_generation``, its ``llm`` and ``sync_weights()``) is kept; this module
+subclasses it (:class:`VariantVLLMGeneration`) and the trainer builds the subclass in its place, so the names
+users and tools reach stay TRL's. What the subclass adds:
+
+* **An exact colocated weight sync on vLLM's CPU backend.** TRL pushes the parameters one at a time through
+  ``model.load_weights``; vLLM's CPU backend has prepacked its linear weights at load time and replaced the
+  parameters, so that crashes (``'Parameter' object has no attribute 'weight_loader'``). The sync here goes
+  through vLLM's own reload path (``model_runner.reload_weights(weights_iterator=...)``: every layer is
+  reloaded and re-processed, the prepacked kernels rebuilt), fed by TRL's own parameter iterator
+  (``_iter_named_params``: PEFT merged, ZeRO-3 gathered). vLLM's reload processes only the layers that
+  received weights: a layer whose weight is *tied* to another (``lm_head`` tied to the embeddings, as in
+  SmolLM2 and the toy model) keeps the kernel packed from the old weights, and the engine would sample from a
+  policy that is not the trained one. :func:`reprocess_tied_layers` re-runs those layers' weight processing:
+  a synced engine then gives the same log-probs as a fresh engine loaded from the same weights (tested to 1e-3,
+  measured identical, ``tests/test_vllm.py``). On CUDA TRL's own sync is used unchanged.
+* **The engine's dtype** (``vllm_dtype``: ``"auto"`` = the checkpoint's, as vLLM decides; or ``"float32"``,
+  ``"bfloat16"``, ``"float16"``), announced in one line once the engine is up.
+* **Eager engines** (``vllm_enforce_eager=True``: vLLM's ``enforce_eager``, no graph compilation): on CPU the
+  engine starts in about 3 s instead of about 45 s (the tests run every engine this way).
+* **Engine reuse in one process** (``vllm_reuse_engine=True``): a colocated engine started earlier in this
+  process for the same model, dtype, context length and parallel layout is reused instead of starting another
+  (36-80 s on CPU); each trainer's first rollout syncs its own weights into it (TRL syncs before every first
+  generate), so the reuse changes no rollout. Said in one line. Useful in notebooks, sweeps and tests.
+
+Sleep mode does not exist on vLLM's CPU backend: ``vllm_enable_sleep_mode=True`` is refused at construction
+there (:func:`check_vllm_config`). Server mode on CPU is not available (TRL's server sync is NCCL only;
+docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+
+import torch
+
+from grpo_variants.errors import ConfigError
+
+__all__ = [
+    "VLLM_DTYPES",
+    "VariantVLLMGeneration",  # noqa: F822  (built on first use: module __getattr__)
+    "check_vllm_config",
+    "engine_dtype",
+    "engine_model",
+    "get_engine",
+    "release_engines",
+    "reprocess_tied_layers",
+    "start_engine",
+    "variant_vllm_generation",
+    "vllm_platform_is_cpu",
+]
+
+logger = logging.getLogger(__name__)
+
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Colocated engines kept for reuse in this process, by (model path, dtype, max model length, tensor parallel size,
+# model implementation, quantization, eager).
+_ENGINES: dict[tuple, object] = {}
+
+
+def _accelerator_present() -> bool:
+    if torch.cuda.is_available():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    return bool(xpu is not None and xpu.is_available())
+
+
+def vllm_platform_is_cpu() -> bool:
+    """Whether vLLM runs on its CPU backend here (imports vLLM only when it is installed)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return not _accelerator_present()
+    return bool(current_platform.is_cpu())
+
+
+def check_vllm_config(args) -> None:
+    """Construction-time checks of the vLLM fields (called by ``GRPOVariantConfig.__post_init__``)."""
+    dtype = getattr(args, "vllm_dtype", "auto")
+    if dtype not in VLLM_DTYPES:
+        raise ConfigError(f"vllm_dtype={dtype!r} is not valid; choose one of {list(VLLM_DTYPES)}.")
+    if not args.use_vllm:
+        return
+    if args.vllm_enable_sleep_mode and args.vllm_mode == "colocate" and not _accelerator_present():
+        raise ConfigError(
+            "vllm_enable_sleep_mode=True: vLLM has no sleep mode on its CPU backend (no GPU here), so the engine "
+            "cannot release its memory between rollouts. Set vllm_enable_sleep_mode=False (its KV cache on CPU is "
+            "sized by vllm_gpu_memory_utilization, a fraction of RAM, or VLLM_CPU_KVCACHE_SPACE in GiB)."
+        )
+    if getattr(args, "vllm_reuse_engine", False) and args.vllm_mode != "colocate":
+        raise ConfigError(
+            "vllm_reuse_engine=True reuses a colocated engine of this process; with vllm_mode='server' the engine "
+            "is the server's. Set vllm_reuse_engine=False or vllm_mode='colocate'."
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine
+# ------------------------------------------------------------------------------------------------
+def engine_model(llm):
+    """The ``nn.Module`` a colocated engine runs (TRL reaches it by the same path)."""
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+def engine_dtype(llm) -> torch.dtype:
+    """The dtype the engine computes in."""
+    return llm.llm_engine.model_config.dtype
+
+
+def _engine_key(model_path, dtype, max_model_len, tensor_parallel_size, model_impl, quantization,
+                enforce_eager=False) -> tuple:
+    path = os.path.realpath(model_path) if os.path.isdir(str(model_path)) else str(model_path)
+    return (path, str(dtype), max_model_len, int(tensor_parallel_size), model_impl, quantization, bool(enforce_eager))
+
+
+def get_engine(model_path, *, dtype: str = "auto", max_model_len=None, max_num_seqs: int | None = 64,
+               tensor_parallel_size: int = 1, model_impl: str = "auto", quantization=None, enforce_eager: bool = False,
+               **llm_kwargs):
+    """A colocated engine for ``model_path`` with TRL's settings, started once per process and then reused.
+
+    Trainers with ``vllm_reuse_engine=True`` take it instead of starting their own; each syncs its weights into
+    it before its first rollout. Extra keyword arguments go to ``vllm.LLM`` (only when it is started here).
+    """
+    key = _engine_key(model_path, dtype, max_model_len, tensor_parallel_size, model_impl, quantization, enforce_eager)
+    if key not in _ENGINES:
+        _ENGINES[key] = start_engine(model_path, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                     tensor_parallel_size=tensor_parallel_size, model_impl=model_impl,
+                                     quantization=quantization, enforce_eager=enforce_eager, **llm_kwargs)
+    return _ENGINES[key]
+
+
+def start_engine(model_path, *, dtype: str = "auto", max_model_len=None, max_num_seqs: int | None = 64,
+                 tensor_parallel_size: int = 1, model_impl: str = "auto", quantization=None,
+                 enforce_eager: bool = False, **llm_kwargs):
+    """A new colocated engine with TRL's colocate settings (not kept for reuse: the tests' fresh reference)."""
+    from trl.trainer.utils import ensure_master_addr_port
+    from vllm import LLM
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)
+    ensure_master_addr_port()
+    settings = dict(  # TRL's colocate settings (trl/generation/vllm_generation.py)
+        model=str(model_path), tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, model_impl=model_impl, distributed_executor_backend="external_launcher",
+        seed=0, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", quantization=quantization,
+        dtype=dtype, enforce_eager=enforce_eager,
+    )
+    settings.update(llm_kwargs)
+    return LLM(**settings)
+
+
+def release_engines() -> None:
+    """Forget the engines kept for reuse (their memory goes when the last trainer holding one goes)."""
+    _ENGINES.clear()
+
+
+@torch.no_grad()
+def reprocess_tied_layers(model) -> list[str]:
+    """Re-run the weight processing of every layer whose weight is shared with another layer; returns their names.
+
+    vLLM's reload (``reload_weights``) re-processes a layer once all its weights arrived; a tied layer (an
+    ``lm_head`` tied to the embeddings) receives none (the checkpoint has no ``lm_head.weight``), so vLLM puts
+    its old kernel back: on the CPU backend that is a GEMM prepacked from the old embedding. Processing it again
+    rebuilds the kernel from the current, shared weight.
+    """
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            if param.numel() > 0:
+                owners.setdefault(param.data_ptr(), []).append((name, module))
+    done = []
+    for group in owners.values():
+        if len({id(m) for _, m in group}) < 2:
+            continue
+        for name, module in group:
+            method = getattr(module, "quant_method", None)
+            process = getattr(method, "process_weights_after_loading", None)
+            if process is not None and name not in done:
+                process(module)
+                done.append(name)
+    return done
+
+
+def __getattr__(name):
+    # ``VariantVLLMGeneration`` subclasses TRL's VLLMGeneration, whose module imports vLLM (seconds): built on
+    # first use, so that importing grpo_variants stays fast where vLLM is installed.
+    if name == "VariantVLLMGeneration":
+        return _generation_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def _generation_class():
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    class VariantVLLMGeneration(VLLMGeneration):
+        """TRL's ``VLLMGeneration`` with an exact CPU colocated sync, a chosen engine dtype and engine reuse."""
+
+        def __init__(self, *args, dtype: str = "auto", reuse_engine: bool = False, enforce_eager: bool = False,
+                     **kwargs):
+            self.dtype = dtype
+            self.enforce_eager = enforce_eager
+            self.reuse_engine = reuse_engine
+            self.engine_reused = False
+            self.sync_count = 0
+            super().__init__(*args, **kwargs)
+
+        # ---- construction ------------------------------------------------------------------------
+        def _engine_key(self):
+            return _engine_key(self.model.name_or_path, self.dtype, self.max_model_length, self.tensor_parallel_size,
+                               self.model_impl, None, self.enforce_eager)
+
+        def _init_vllm(self):
+            if self.mode != "colocate":
+                return super()._init_vllm()
+            if self.reuse_engine and self.tensor_parallel_size == 1 and self.accelerator.num_processes == 1:
+                key = self._engine_key()
+                if key in _ENGINES:
+                    self.llm = _ENGINES[key]
+                    self.engine_reused = True
+                    self._llm_weights_sleeping = False
+                    self.accelerator.wait_for_everyone()
+                    return None
+            with _llm_defaults(dtype=self.dtype, enforce_eager=self.enforce_eager):
+                super()._init_vllm()
+            if self.reuse_engine and self.tensor_parallel_size == 1 and self.accelerator.num_processes == 1:
+                _ENGINES.setdefault(self._engine_key(), self.llm)
+            return None
+
+        def announcement(self) -> str:
+            """One line: where the engine runs, its dtype, and whether it was reused."""
+            if self.mode != "colocate":
+                return (f"vLLM engine: server mode ({getattr(self, 'server_base_url', None) or 'host/port'}); its "
+                        "dtype is the server's (grpo-variants vllm-serve --dtype).")
+            dtype = str(engine_dtype(self.llm)).removeprefix("torch.")
+            how = "the checkpoint's" if self.dtype == "auto" else "chosen"
+            where = "CPU backend" if vllm_platform_is_cpu() else "colocated"
+            reuse = (" reused from earlier in this process (this trainer's weights are synced into it before its "
+                     "first rollout)" if self.engine_reused else "")
+            eager = ", eager (vllm_enforce_eager=True)" if self.enforce_eager else ""
+            return (f"vLLM engine ({where}): dtype {dtype} (vllm_dtype={self.dtype!r}, {how}){eager}{reuse}; set "
+                    "vllm_dtype to change it.")
+
+        # ---- weight sync ---------------------------------------------------------------------------
+        def sync_weights(self):
+            self.sync_count += 1
+            if self.mode != "colocate" or not vllm_platform_is_cpu():
+                return super().sync_weights()
+            runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+            runner.reload_weights(weights_iterator=self._iter_named_params())
+            reprocess_tied_layers(runner.model)
+            self.llm.reset_prefix_cache()
+            return None
+
+    VariantVLLMGeneration.__module__ = __name__
+    return VariantVLLMGeneration
+
+
+@contextlib.contextmanager
+def _llm_defaults(**extra):
+    """Within the block, TRL's ``LLM(...)`` call gets ``extra`` keyword arguments it does not pass itself."""
+    import trl.generation.vllm_generation as module
+
+    original = module.LLM
+    module.LLM = functools.partial(original, **extra)
+    try:
+        yield
+    finally:
+        module.LLM = original
+
+
+@contextlib.contextmanager
+def variant_vllm_generation(args):
+    """Within the block, TRL's ``GRPOTrainer.__init__`` builds :class:`VariantVLLMGeneration` (same arguments, plus
+    the engine dtype and reuse) as ``trainer.vllm_generation``."""
+    if not getattr(args, "use_vllm", False):
+        yield
+        return
+    import trl.trainer.grpo_trainer as module
+
+    cls = _generation_class()
+    original = module.VLLMGeneration
+    module.VLLMGeneration = functools.partial(cls, dtype=getattr(args, "vllm_dtype", "auto"),
+                                              reuse_engine=getattr(args, "vllm_reuse_engine", False),
+                                              enforce_eager=getattr(args, "vllm_enforce_eager", False))
+    try:
+        yield
+    finally:
+        module.VLLMGeneration = original
