@@ -12,6 +12,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from grpo_variants.registry import run_label
+
 
 def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):
@@ -168,7 +170,7 @@ class RunRecordCallback(TrainerCallback):
         if self.print_summary and self._console_on():
             from grpo_variants.console import summary_rows, summary_table
 
-            name = getattr(self.trainer, "variant_name", None) or "grpo"
+            name = run_label(getattr(self.trainer, "variant_name", None))
             print(summary_table(f"{name}: {state.global_step} optimizer steps", summary_rows(self.records()),
                                 self.seconds, f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})"),
                   flush=True)
@@ -181,7 +183,7 @@ class RunRecordCallback(TrainerCallback):
         paths = self.paths()
         try:
             records = read_jsonl(paths["metrics.jsonl"]) if paths["metrics.jsonl"].exists() else []
-            name = getattr(self.trainer, "variant_name", None) or "grpo"
+            name = run_label(getattr(self.trainer, "variant_name", None))
             plot_reward_curve(records, paths["reward_curve.png"], title=f"{name}: reward during training",
                               heldout=self.heldout)
             return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -47,11 +48,22 @@ def test_callbacks_swapped_unless_verbose(make_args, toy_model_path, small_train
     assert PrinterCallback in _kinds(verbose) and CompactPrinterCallback not in _kinds(verbose)
 
 
-def test_run_prints_short_lines_and_a_summary(make_args, toy_model_path, small_train_dataset, capsys):
+def test_run_prints_short_lines_and_a_summary(make_args, toy_model_path, small_train_dataset, capsys, monkeypatch):
+    import grpo_variants.callbacks as callbacks
+
+    titles = []
+    plot = callbacks.plot_reward_curve
+    monkeypatch.setattr(callbacks, "plot_reward_curve", lambda records, path, title, heldout=None: (
+        titles.append(title), plot(records, path, title, heldout))[1])
     trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
                                  args=make_args(disable_tqdm=True, max_steps=2))
     trainer.train()
     out = capsys.readouterr().out
+    # no variant: TRL's GRPO with TRL's defaults, not the `grpo` variant (the DeepSeekMath paper's defaults)
+    assert "TRL GRPO (no variant): 2 optimizer steps" in out and "grpo: " not in out
+    assert titles == ["TRL GRPO (no variant): reward during training"]
+    card = (Path(trainer.args.output_dir) / "README.md").read_text()
+    assert "Variant **TRL GRPO (no variant)**: TRL's GRPO loss" in card and "trained with TRL GRPO (no variant)" in card
     assert "{'loss'" not in out and "'grad_norm'" not in out  # no per-step dicts
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/2", "2/2"] and all("reward" in line for line in lines)
