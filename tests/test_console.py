@@ -90,3 +90,25 @@ def test_deepspeed_cpu_line_filtered():
     assert not all(f.filter(record) for f in logging.getLogger("DeepSpeed").filters)
     other = logging.LogRecord("DeepSpeed", logging.WARNING, __file__, 1, "something else", None, None)
     assert all(f.filter(other) for f in logging.getLogger("DeepSpeed").filters)
+
+
+def test_torch_c10d_deprecations_filtered_only_from_torch():
+    """torch's FutureWarning on the c10d collectives DeepSpeed's ZeRO-3 calls is dropped when it comes from
+    ``torch.distributed.c10d_logger``; the same words from another module, and another FutureWarning from
+    that module, still show (the filter is by message, category and module, never global)."""
+    from grpo_variants.runtime.noise import install_warning_filters
+
+    def shown(message, module, category=FutureWarning):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()  # pytest's own "ignore::FutureWarning" (pyproject) out of the way
+            warnings.simplefilter("default")
+            install_warning_filters()
+            warnings.warn_explicit(message, category, "c10d_logger.py", 83, module=module, registry={})
+        return len(caught)
+
+    torch_says = ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+                  "`torch.distributed.all_gather_single` instead.")
+    assert shown(torch_says, "torch.distributed.c10d_logger") == 0
+    assert shown(torch_says.replace("all_gather", "reduce_scatter"), "torch.distributed.c10d_logger") == 0
+    assert shown(torch_says, "my_module") == 1
+    assert shown("`x` is deprecated and will be removed", "torch.distributed.c10d_logger") == 1
