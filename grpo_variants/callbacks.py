@@ -146,8 +146,15 @@ class RunRecordCallback(TrainerCallback):
         return any(isinstance(cb, (PrinterCallback, ProgressCallback)) or "ProgressCallback" in type(cb).__name__
                    for cb in self.trainer.callback_handler.callbacks)
 
+    start_step = 0  # the global step this train() call started at (> 0 on a resume)
+
+    def this_run_records(self) -> list[dict]:
+        """The records of this ``train()`` call: a resumed run's file also holds the original run's."""
+        return [r for r in self.records() if r.get("step", 0) > self.start_step]
+
     def on_train_begin(self, args, state, control, **kwargs):
         self._begin = time.perf_counter()
+        self.start_step = state.global_step  # TRL's state is restored before on_train_begin on a resume
         self.metrics.on_train_begin(args, state, control, **kwargs)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -168,11 +175,13 @@ class RunRecordCallback(TrainerCallback):
         self.written.append(paths["README.md"])
         self.seconds = time.perf_counter() - self._begin if self._begin is not None else 0.0
         if self.print_summary and self._console_on():
-            from grpo_variants.console import summary_rows, summary_table
+            from grpo_variants.console import RESUMED_HEAD, run_title, summary_rows, summary_table
 
             name = run_label(getattr(self.trainer, "variant_name", None))
-            print(summary_table(f"{name}: {state.global_step} optimizer steps", summary_rows(self.records()),
-                                self.seconds, f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})"),
+            print(summary_table(run_title(name, state.global_step, self.start_step),
+                                summary_rows(self.this_run_records()), self.seconds,
+                                f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})",
+                                head=RESUMED_HEAD if self.start_step else ("first", "last")),
                   flush=True)
 
 

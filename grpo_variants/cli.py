@@ -388,17 +388,18 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
 
 
 def _print_summary(spec, trainer, before, after, heldout) -> None:
-    from grpo_variants.console import summary_rows, summary_table
+    from grpo_variants.console import RESUMED_HEAD, run_title, summary_rows, summary_table
 
-    rows = summary_rows(trainer.run_record.records())
+    record = trainer.run_record
+    rows = summary_rows(record.this_run_records())
     rows = [r for r in rows if not r[0].startswith("held-out")]
     if before is not None:
         rows.insert(0, (f"held-out greedy accuracy ({len(heldout)} problems)", f"{before:.1%}", f"{after:.1%}"))
     out = trainer.args.output_dir
     files = [p.name for p in trainer.run_record.written]
-    print(summary_table(f"{spec.name}: {trainer.state.global_step} optimizer steps", rows, trainer.run_record.seconds,
-                        f"{out}/ (model, {', '.join(files)})", head=("before", "after") if before is not None
-                        else ("first", "last")), flush=True)
+    head = ("before", "after") if before is not None else RESUMED_HEAD if record.start_step else ("first", "last")
+    print(summary_table(run_title(spec.name, trainer.state.global_step, record.start_step), rows, record.seconds,
+                        f"{out}/ (model, {', '.join(files)})", head=head), flush=True)
 
 
 def _interrupted(config, original_argv, code: int) -> int:

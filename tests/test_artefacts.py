@@ -218,3 +218,18 @@ def test_the_demos_card_loads_final_model(tmp_path, toy_kit, capsys):
     assert not (out / "model.safetensors").exists() and (out / "final_model" / "model.safetensors").exists()
     assert str(toy_kit.model_path) not in card and "/" + Path(toy_kit.model_path).parent.name not in card
     _run_quick_start(card, out / "final_model")
+
+
+def test_pyproject_reads_without_setuptools_deprecations():
+    """``pip install -e .`` printed setuptools' "`project.license` as a TOML table is deprecated": the license is
+    an SPDX string, and setuptools reads the whole [project] table without a deprecation warning."""
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), str(ROOT / "pyproject.toml"))
+    assert [str(w.message).splitlines()[0] for w in caught if "eprecat" in type(w.category).__name__ + str(w.message)] == []
+    assert dist.metadata.license_expression == "Apache-2.0"
