@@ -2,9 +2,9 @@
 
 TRL writes the card (``GRPOTrainer.create_model_card``); :func:`complete_model_card` then
 
-* names the base model: a hub id as a link, a local folder by its path relative to the working directory
-  or by its name (never its absolute path, which says nothing to a reader of the card and shows the
-  training machine's layout);
+* names the base model: a hub id as a link, a local folder by the relative path it was given or by its
+  name (never its absolute path, which says nothing to a reader of the card and shows the training
+  machine's layout);
 * points the Quick start at a folder that loads: the folder ``save_model()`` last wrote, the output folder
   if it holds the weights, else the last checkpoint; with none of them it says how to save the weights
   (TRL's own card names the hub repository, or ``"None"`` without one);
@@ -96,16 +96,15 @@ def _show(value) -> str:
 
 
 def describe_base_model(name_or_path: str | None) -> str:
-    """A model's name for the card: a hub id as a link, a local folder by its path relative to the working
-    directory when it lies inside it, else by its folder name alone (never an absolute path)."""
+    """A model's name for the card: a hub id as a link, a local folder as the relative path it was given, or by
+    its folder name alone when the path is absolute (never an absolute path)."""
     if not name_or_path:
         return "a model object passed to the trainer (it carries no name or path)"
     name_or_path = str(name_or_path)
     if os.path.isdir(name_or_path) or os.path.isabs(name_or_path) or name_or_path.startswith("."):
         path = os.path.normpath(name_or_path)
         if os.path.isabs(path):
-            relative = os.path.relpath(path, os.getcwd())
-            path = relative if not relative.startswith("..") else (os.path.basename(path) or path)
+            path = os.path.basename(path) or path
         return f"`{path}` (a local folder)"
     return f"[{name_or_path}](https://huggingface.co/{name_or_path})"
 

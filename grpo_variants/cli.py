@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_variants import inputs
 from grpo_variants.errors import GRPOVariantsError
 from grpo_variants.inputs import (  # noqa: F401  (the old private names stay importable from here)
     DATA_SUFFIXES as _DATA_SUFFIXES,
@@ -32,7 +33,6 @@ from grpo_variants.inputs import (  # noqa: F401  (the old private names stay im
     looks_local as _looks_local,
     parse_resume as _resume_value,
 )
-from grpo_variants import inputs
 
 # Toy-sized values for `--model toy` on CPU: applied only where neither a flag nor the YAML file sets
 # the field, and announced in one line. Everything else keeps the variant's (TRL's) default.

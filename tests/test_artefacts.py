@@ -216,7 +216,7 @@ def test_the_demos_card_loads_final_model(tmp_path, toy_kit, capsys):
     assert demo(["--output_dir", str(out), "--max_steps", "1", "--eval_every", "100"]) == 0
     card = (out / "README.md").read_text()
     assert not (out / "model.safetensors").exists() and (out / "final_model" / "model.safetensors").exists()
-    assert str(toy_kit.model_path) not in card and "/" + Path(toy_kit.model_path).parent.name not in card
+    assert str(Path(toy_kit.model_path).parent) not in card  # no absolute path of the base model
     _run_quick_start(card, out / "final_model")
 
 
