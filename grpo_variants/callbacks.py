@@ -177,10 +177,14 @@ class RunRecordCallback(TrainerCallback):
         if self.print_summary and self._console_on():
             from grpo_variants.console import RESUMED_HEAD, run_title, summary_rows, summary_table
 
+            from grpo_variants.card import weights_folder
+
             name = run_label(getattr(self.trainer, "variant_name", None))
+            outputs = f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})"
+            if weights_folder(self.trainer)[0] is None:  # say so where the run ends, as the card does
+                outputs += f"; the model is not saved: trainer.save_model({str(self.output_dir)!r})"
             print(summary_table(run_title(name, state.global_step, self.start_step),
-                                summary_rows(self.this_run_records()), self.seconds,
-                                f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})",
+                                summary_rows(self.this_run_records()), self.seconds, outputs,
                                 head=RESUMED_HEAD if self.start_step else ("first", "last")),
                   flush=True)
 

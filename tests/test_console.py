@@ -61,6 +61,7 @@ def test_run_prints_short_lines_and_a_summary(make_args, toy_model_path, small_t
     out = capsys.readouterr().out
     # no variant: TRL's GRPO with TRL's defaults, not the `grpo` variant (the DeepSeekMath paper's defaults)
     assert "TRL GRPO (no variant): 2 optimizer steps" in out and "grpo: " not in out
+    assert f"the model is not saved: trainer.save_model({trainer.args.output_dir!r})" in out  # nothing saved yet
     assert titles == ["TRL GRPO (no variant): reward during training"]
     card = (Path(trainer.args.output_dir) / "README.md").read_text()
     assert "Variant **TRL GRPO (no variant)**: TRL's GRPO loss" in card and "trained with TRL GRPO (no variant)" in card
