@@ -12,6 +12,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from grpo_variants.registry import run_label
+
 
 def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):
@@ -144,8 +146,15 @@ class RunRecordCallback(TrainerCallback):
         return any(isinstance(cb, (PrinterCallback, ProgressCallback)) or "ProgressCallback" in type(cb).__name__
                    for cb in self.trainer.callback_handler.callbacks)
 
+    start_step = 0  # the global step this train() call started at (> 0 on a resume)
+
+    def this_run_records(self) -> list[dict]:
+        """The records of this ``train()`` call: a resumed run's file also holds the original run's."""
+        return [r for r in self.records() if r.get("step", 0) > self.start_step]
+
     def on_train_begin(self, args, state, control, **kwargs):
         self._begin = time.perf_counter()
+        self.start_step = state.global_step  # TRL's state is restored before on_train_begin on a resume
         self.metrics.on_train_begin(args, state, control, **kwargs)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -166,11 +175,17 @@ class RunRecordCallback(TrainerCallback):
         self.written.append(paths["README.md"])
         self.seconds = time.perf_counter() - self._begin if self._begin is not None else 0.0
         if self.print_summary and self._console_on():
-            from grpo_variants.console import summary_rows, summary_table
+            from grpo_variants.console import RESUMED_HEAD, run_title, summary_rows, summary_table
 
-            name = getattr(self.trainer, "variant_name", None) or "grpo"
-            print(summary_table(f"{name}: {state.global_step} optimizer steps", summary_rows(self.records()),
-                                self.seconds, f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})"),
+            from grpo_variants.card import weights_folder
+
+            name = run_label(getattr(self.trainer, "variant_name", None))
+            outputs = f"{self.output_dir}/ ({', '.join(p.name for p in self.written)})"
+            if weights_folder(self.trainer)[0] is None:  # say so where the run ends, as the card does
+                outputs += f"; the model is not saved: trainer.save_model({str(self.output_dir)!r})"
+            print(summary_table(run_title(name, state.global_step, self.start_step),
+                                summary_rows(self.this_run_records()), self.seconds, outputs,
+                                head=RESUMED_HEAD if self.start_step else ("first", "last")),
                   flush=True)
 
 
@@ -181,7 +196,7 @@ class RunRecordCallback(TrainerCallback):
         paths = self.paths()
         try:
             records = read_jsonl(paths["metrics.jsonl"]) if paths["metrics.jsonl"].exists() else []
-            name = getattr(self.trainer, "variant_name", None) or "grpo"
+            name = run_label(getattr(self.trainer, "variant_name", None))
             plot_reward_curve(records, paths["reward_curve.png"], title=f"{name}: reward during training",
                               heldout=self.heldout)
             return True

@@ -24,7 +24,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_variants import inputs
 from grpo_variants.errors import GRPOVariantsError
+from grpo_variants.inputs import (  # noqa: F401  (the old private names stay importable from here)
+    DATA_SUFFIXES as _DATA_SUFFIXES,
+    UsageError,
+    load_dataset as _load_dataset,
+    looks_local as _looks_local,
+    parse_resume as _resume_value,
+)
 
 # Toy-sized values for `--model toy` on CPU: applied only where neither a flag nor the YAML file sets
 # the field, and announced in one line. Everything else keeps the variant's (TRL's) default.
@@ -36,12 +44,6 @@ TOY_DEFAULTS = dict(
     lr_scheduler_type="constant",
     logging_steps=1,
 )
-_TRUE = {"true", "yes", "1", "latest"}
-_FALSE = {"false", "no", "0", "none", ""}
-
-
-class UsageError(GRPOVariantsError):
-    """A bad command line: unknown flag, bad value, missing argument."""
 
 
 def _script_arguments_class():
@@ -156,73 +158,6 @@ def _default_of(field_):
     return None
 
 
-_DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def _looks_local(text: str) -> bool:
-    """A spec written as a path (``./x``, ``/x``, ``~/x``, ``x.jsonl``, ``a/b/c``), not as a hub id ``org/name``."""
-    from grpo_variants.validation import _HUB_ID
-
-    return (text.startswith((os.sep, ".", "~")) or Path(text).suffix.lower() in _DATA_SUFFIXES
-            or (os.sep in text.strip(os.sep) and not _HUB_ID.match(text)))
-
-
-def _load_dataset(spec, split: str = "train", config_name: str | None = None, streaming: bool = False):
-    """``toy``, ``toy:subtraction``, a ``save_to_disk`` folder, a json/jsonl/csv/parquet file, or a hub id.
-
-    ``spec`` is a ``str`` or an ``os.PathLike`` (a ``pathlib.Path``). A path that does not exist and a hub id
-    that cannot be loaded (no network, offline mode, no such dataset) raise a one-line :class:`UsageError`.
-    """
-    from grpo_variants.tasks import toy
-
-    spec = os.fspath(spec)
-    if spec == "toy" or spec.startswith("toy:"):
-        task = spec.split(":", 1)[1] if ":" in spec else "addition"
-        try:
-            return toy.make_dataset(task, "train" if split == "train" else "eval")
-        except ValueError as err:
-            raise UsageError(f"dataset {spec!r}: {err}") from err
-    path = Path(os.path.expanduser(spec))
-    if path.is_dir():
-        from datasets import DatasetDict, load_from_disk
-
-        data = load_from_disk(str(path))
-        if isinstance(data, DatasetDict):
-            if split not in data:
-                raise UsageError(f"dataset {spec!r} has no split {split!r} (splits: {sorted(data)}).")
-            return data[split]
-        return data
-    if path.is_file():
-        from datasets import load_dataset
-
-        kind = _DATA_SUFFIXES.get(path.suffix.lower())
-        if kind is None:
-            raise UsageError(f"dataset {spec!r}: unsupported file type {path.suffix!r} (json, jsonl, csv, parquet).")
-        return load_dataset(kind, data_files=str(path), split="train")
-    if _looks_local(spec):
-        parent = path.parent if str(path.parent) not in ("", ".") else Path(".")
-        near = sorted(p.name for p in parent.iterdir() if p.suffix.lower() in _DATA_SUFFIXES or (
-            p.is_dir() and any((p / f).exists() for f in ("dataset_info.json", "dataset_dict.json")))
-        )[:8] if parent.is_dir() else []
-        raise UsageError(
-            f"dataset {spec!r}: no such file or folder" + (f" (in {str(parent)!r}: {near})" if near else "")
-            + ". Pass a json/jsonl/csv/parquet file, a save_to_disk folder, a hub id (org/name) or toy."
-        )
-    from datasets import load_dataset
-
-    try:
-        return load_dataset(spec, name=config_name, split=split, streaming=streaming)
-    except Exception as err:  # noqa: BLE001 - any hub failure becomes one line (the cause stays chained)
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        offline = "offline" in first.lower()
-        unreachable = offline or isinstance(err, (ConnectionError, TimeoutError)) or "reach" in first.lower()
-        hint = ("the Hugging Face Hub cannot be reached" + (" (offline mode is set)" if offline else "")
-                + " and it is not in the local cache; pass a local json/jsonl/csv/parquet file or save_to_disk "
-                "folder, or toy, or connect and retry" if unreachable
-                else f"{type(err).__name__}: {first}")
-        raise UsageError(f"dataset {spec!r} (split {split!r}) could not be loaded: {hint}.") from err
-
-
 def _read_yaml(path: str) -> dict:
     import yaml
 
@@ -284,22 +219,6 @@ def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
         out.append(argv[i])
         i += 1
     return value, out
-
-
-def _resume_value(value):
-    if value is None or isinstance(value, bool):
-        return value or None
-    text = str(value).strip()
-    if text.lower() in _TRUE:
-        return True
-    if text.lower() in _FALSE:
-        return None
-    if not Path(text).is_dir():
-        raise UsageError(
-            f"--resume_from_checkpoint {text!r}: no such folder. Pass a checkpoint-N folder, or true for the newest "
-            "complete checkpoint in --output_dir."
-        )
-    return text
 
 
 def cmd_list(_args) -> int:
@@ -390,11 +309,8 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
     rewards = list(script.reward or []) + list(script.reward_funcs or [])
     if script.reward_model_name_or_path:
         rewards.append(script.reward_model_name_or_path)
-    resume = _resume_value(config.resume_from_checkpoint)
-    if resume is not None:  # checked now: a missing checkpoint must fail before any model load or evaluation
-        from grpo_variants.reliability import resolve_resume_checkpoint
-
-        resume = resolve_resume_checkpoint(resume, config.output_dir)
+    # checked now: a missing checkpoint must fail before any model load or evaluation
+    resume = inputs.resume_checkpoint(config.resume_from_checkpoint, config.output_dir)
 
     first_rank = int(os.environ.get("RANK", "0")) == 0  # under `accelerate launch`, say things once
     if announced and first_rank:
@@ -414,12 +330,8 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
             if first_rank:
                 print("--model toy: reward toy_accuracy (pass --reward to choose another).")
     else:
-        from grpo_variants.tasks.models import resolve_model
-
-        from grpo_variants.validation import check_model_path
-
-        model_path = resolve_model(model)  # a path, a hub id, or a registered name such as "smollm2"
-        check_model_path(model_path)  # before any dataset loads (the trainer checks it again, for API users)
+        # a path, a hub id, or a registered name such as "smollm2", checked before any dataset loads
+        model_path = inputs.resolve_model_path(model)
         if not rewards:
             raise UsageError("train needs at least one --reward NAME / --reward_funcs NAME (see `grpo-variants list`).")
         model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=config.trust_remote_code,
@@ -439,12 +351,12 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
     elif dataset_spec.startswith("toy") and is_toy:
         train_dataset = kit.train_dataset
     else:
-        train_dataset = _load_dataset(dataset_spec, script.dataset_train_split, script.dataset_config,
+        train_dataset = inputs.load_dataset(dataset_spec, script.dataset_train_split, script.dataset_config,
                                       script.dataset_streaming)
     if script.eval_dataset:
-        eval_dataset = _load_dataset(script.eval_dataset, script.dataset_test_split, script.dataset_config)
+        eval_dataset = inputs.load_dataset(script.eval_dataset, script.dataset_test_split, script.dataset_config)
     elif eval_dataset is None and config.eval_strategy != "no" and dataset_spec and not dataset_spec.startswith("toy"):
-        eval_dataset = _load_dataset(dataset_spec, script.dataset_test_split, script.dataset_config)
+        eval_dataset = inputs.load_dataset(dataset_spec, script.dataset_test_split, script.dataset_config)
     heldout = eval_dataset if eval_dataset is not None else (kit.eval_dataset if is_toy else None)
     if is_toy and config.eval_strategy != "no" and eval_dataset is None:
         eval_dataset = kit.eval_dataset
@@ -476,17 +388,18 @@ def _run(spec, script, config, model_args, mixture, is_toy, announced, original_
 
 
 def _print_summary(spec, trainer, before, after, heldout) -> None:
-    from grpo_variants.console import summary_rows, summary_table
+    from grpo_variants.console import RESUMED_HEAD, run_title, summary_rows, summary_table
 
-    rows = summary_rows(trainer.run_record.records())
+    record = trainer.run_record
+    rows = summary_rows(record.this_run_records())
     rows = [r for r in rows if not r[0].startswith("held-out")]
     if before is not None:
         rows.insert(0, (f"held-out greedy accuracy ({len(heldout)} problems)", f"{before:.1%}", f"{after:.1%}"))
     out = trainer.args.output_dir
     files = [p.name for p in trainer.run_record.written]
-    print(summary_table(f"{spec.name}: {trainer.state.global_step} optimizer steps", rows, trainer.run_record.seconds,
-                        f"{out}/ (model, {', '.join(files)})", head=("before", "after") if before is not None
-                        else ("first", "last")), flush=True)
+    head = ("before", "after") if before is not None else RESUMED_HEAD if record.start_step else ("first", "last")
+    print(summary_table(run_title(spec.name, trainer.state.global_step, record.start_step), rows, record.seconds,
+                        f"{out}/ (model, {', '.join(files)})", head=head), flush=True)
 
 
 def _interrupted(config, original_argv, code: int) -> int:

@@ -749,8 +749,9 @@ class GRPOVariantConfig(GRPOConfig):
         if not values:
             return None
         listed = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        name = self.variant or "base"
-        return f"grpo-variants {name}: defaults differing from TRL's: {listed} (set a field to override)."
+        from grpo_variants.registry import run_label
+
+        return f"grpo-variants {run_label(self.variant)}: defaults differing from TRL's: {listed} (set a field to override)."
 
     def epsilon_low_value(self) -> float:
         return self.epsilon

@@ -20,6 +20,8 @@ __all__ = [
     "live_metrics",
     "summary_rows",
     "summary_table",
+    "optimizer_steps",
+    "run_title",
     "install_console_callbacks",
 ]
 
@@ -172,14 +174,32 @@ def _duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
+def optimizer_steps(n: int) -> str:
+    """``"1 optimizer step"``, ``"3 optimizer steps"``."""
+    return f"{n} optimizer step" + ("" if n == 1 else "s")
+
+
+def run_title(name: str, global_step: int, start_step: int = 0) -> str:
+    """The summary's title: the run's name and its optimizer steps; a resumed run counts its own steps and
+    says where it resumed (its table's "first" column is then this run's first value, not the original's)."""
+    if start_step > 0:
+        return (f"{name}: {optimizer_steps(global_step - start_step)} in this run (resumed at step {start_step}, "
+                f"now at step {global_step})")
+    return f"{name}: {optimizer_steps(global_step)}"
+
+
+RESUMED_HEAD = ("first (this run)", "last")
+
+
 def summary_table(title: str, rows: list[tuple[str, str, str]], seconds: float | None, outputs: str | None,
                   head: tuple[str, str] = ("first", "last")) -> str:
     """A few lines: a title, (label, first, last) rows, the time and where the outputs are."""
     width = max([len(r[0]) for r in rows] + [8])
+    col = max(9, len(head[0]), len(head[1]))
     lines = [title]
     if rows:
-        lines.append(f"  {'':<{width}}  {head[0]:>9}  {head[1]:>9}")
-        lines += [f"  {label:<{width}}  {a:>9}  {b:>9}" for label, a, b in rows]
+        lines.append(f"  {'':<{width}}  {head[0]:>{col}}  {head[1]:>9}")
+        lines += [f"  {label:<{width}}  {a:>{col}}  {b:>9}" for label, a, b in rows]
     if seconds is not None:
         lines.append(f"  {'time':<{width}}  {_duration(seconds)}")
     if outputs:

@@ -98,7 +98,8 @@ def run(args) -> int:
     rows = [(f"held-out greedy accuracy ({n_eval} problems)", f"{before:.1%}", f"{after:.1%}")]
     if train_rewards:
         rows.append(("mean training reward (first / last step)", f"{train_rewards[0]:.3f}", f"{train_rewards[-1]:.3f}"))
-    print(summary_table(f"== {spec.name}: {trainer.state.global_step} steps of 256 completions ==", rows, seconds,
+    steps = trainer.state.global_step
+    print(summary_table(f"== {spec.name}: {steps} step{'' if steps == 1 else 's'} of 256 completions ==", rows, seconds,
                         f"{out}/ (metrics.jsonl, reward_curve.png, summary.json, README.md, final_model/)",
                         head=("before", "after")))
     return 0

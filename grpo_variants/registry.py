@@ -28,6 +28,16 @@ class VariantSpec:
 
 _VARIANTS: dict[str, VariantSpec] = {}
 
+# What a run with no variant (``GRPOVariantTrainer`` with ``GRPOVariantConfig``, TRL's defaults) is called in the
+# console, the reward plot and the model card: it is TRL's GRPO, not the ``grpo`` variant (whose defaults are
+# the DeepSeekMath paper's: beta 0.04, the sequence-mean loss).
+NO_VARIANT_LABEL = "TRL GRPO (no variant)"
+
+
+def run_label(variant_name: str | None) -> str:
+    """The name a run is shown under: its variant's name, or :data:`NO_VARIANT_LABEL` without one."""
+    return variant_name or NO_VARIANT_LABEL
+
 
 def register_variant(name: str, *, description: str, paper: str = ""):
     """Class decorator for a trainer subclass that has a ``config_class`` attribute."""

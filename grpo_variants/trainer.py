@@ -36,9 +36,22 @@ import torch
 from accelerate.utils import send_to_device
 from trl import GRPOConfig, GRPOTrainer
 
+from grpo_variants import card as _card
+from grpo_variants.card import (  # noqa: F401  (re-exported: the card's helpers lived in this module)
+    PAPER_TITLES,
+    _variant_paper,
+    deepspeed_settings,
+    describe_base_model,
+    describe_dataset,
+    lora_settings,
+    model_card_section,
+    model_card_setup,
+    non_default_hyperparameters,
+)
 from grpo_variants.rollout.adaptive_clip import adapted_loss_spec
 from grpo_variants.config import GRPOVariantConfig
 from grpo_variants.errors import ConfigError
+from grpo_variants.registry import run_label
 from grpo_variants.rollout.loader import RepeatedFetchCache, RowBatch, collate_rows
 from grpo_variants.losses import LossSpec, compute_policy_loss
 from grpo_variants.metrics import TOKEN_FATES, TrainerMetrics
@@ -65,32 +78,6 @@ logger = logging.getLogger(__name__)
 _RepeatedFetchCache, _RowBatch = RepeatedFetchCache, RowBatch
 
 
-# ------------------------------------------------------------------------------------------------
-# Model card: the variant, its paper, the non-default hyper-parameters
-# ------------------------------------------------------------------------------------------------
-# Paper titles by arXiv id (the id comes from each variant's registration).
-PAPER_TITLES = {
-    "2402.03300": "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
-    "2503.14476": "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
-    "2503.20783": "Understanding R1-Zero-Like Training: A Critical Perspective",
-    "2507.18071": "Group Sequence Policy Optimization",
-}
-# Fields that say where and how a run is kept, not how it trains: left out of the card's table.
-_NOT_HYPERPARAMETERS = frozenset({
-    "output_dir", "logging_dir", "run_name", "hub_model_id", "hub_token", "hub_strategy", "hub_private_repo",
-    "push_to_hub", "resume_from_checkpoint", "report_to", "disable_tqdm", "local_rank", "overwrite_output_dir",
-    "logging_steps", "logging_strategy", "logging_first_step", "save_steps", "save_strategy", "save_total_limit",
-    "eval_steps", "log_completions", "num_completions_to_print", "variant", "project", "trackio_space_id",
-})
-
-
-# Fields whose value __post_init__ derives from others or normalises.
-_DERIVED = frozenset({
-    "bf16", "gradient_checkpointing", "activation_checkpointing", "generation_batch_size", "steps_per_generation",
-    "epsilon_high", "accelerator_config", "debug", "pad_to_multiple_of", "scale_rewards", "ratio_level",
-})
-
-
 def _tied_parameter_names(model) -> set[str]:
     """Names of parameters that are the same tensor as another parameter (tied embeddings)."""
     try:
@@ -102,182 +89,6 @@ def _tied_parameter_names(model) -> set[str]:
     except Exception:  # noqa: BLE001
         return set()
 
-
-def _variant_paper(spec) -> tuple[str, str]:
-    paper_id = (spec.paper if spec and spec.paper else "arXiv:2402.03300").split(":", 1)[-1].strip()
-    name = spec.name if spec else "grpo"
-    return PAPER_TITLES.get(paper_id, f"{name} (arXiv {paper_id})"), paper_id
-
-
-def _field_default(f):
-    from dataclasses import MISSING
-
-    if f.default is not MISSING:
-        return f.default
-    if f.default_factory is not MISSING:
-        return f.default_factory()
-    return None
-
-
-def non_default_hyperparameters(args) -> list[tuple[str, object, object, object]]:
-    """``(field, value, variant default, TRL default)`` for every training field whose value differs from
-    the variant config's default, or whose variant default differs from ``trl.GRPOConfig``'s (``...``
-    where TRL has no such field). Fields that ``__post_init__`` derives or normalises (batch arithmetic,
-    bf16 / checkpointing on CPU) are listed only where the variant's default differs from TRL's.
-    The config is not rebuilt: building a ``TrainingArguments`` resets accelerate's state."""
-    cls = type(args)
-    variant_defaults = {f.name: _field_default(f) for f in fields(cls) if f.init}
-    trl_defaults = {f.name: _field_default(f) for f in fields(GRPOConfig) if f.init}
-    rows = []
-    for name, default in variant_defaults.items():
-        if name in _NOT_HYPERPARAMETERS or name.startswith(("hub_", "push_to_hub", "ddp_", "fsdp", "dataloader_")):
-            continue
-        value = getattr(args, name, None)
-        trl_default = trl_defaults.get(name, ...)
-        variant_differs = trl_default is not ... and default != trl_default
-        if variant_differs or (value != default and name not in _DERIVED):
-            rows.append((name, value, default, trl_default))
-    return rows
-
-
-def _show(value) -> str:
-    from enum import Enum
-
-    if isinstance(value, Enum):
-        value = value.value
-    return f"`{value!r}`"
-
-
-def describe_base_model(name_or_path: str | None) -> str:
-    """A model's name for the card: a hub id as a link, a local folder as its path."""
-    if not name_or_path:
-        return "a model object passed to the trainer (it carries no name or path)"
-    name_or_path = str(name_or_path)
-    if os.path.isdir(name_or_path) or os.path.isabs(name_or_path) or name_or_path.startswith("."):
-        return f"`{name_or_path}` (a local folder)"
-    return f"[{name_or_path}](https://huggingface.co/{name_or_path})"
-
-
-def describe_dataset(dataset, name: str | None = None) -> str | None:
-    """``name`` or the dataset's own name (hub id / builder), its size and columns; None without one."""
-    if dataset is None:
-        return None
-    if isinstance(dataset, dict):
-        return "; ".join(f"{key}: {describe_dataset(value)}" for key, value in dataset.items())
-    info = getattr(dataset, "info", None)
-    own = name or (getattr(info, "dataset_name", None) or getattr(info, "builder_name", None) if info else None)
-    parts = [f"`{own}`" if own else "an in-memory dataset"]
-    try:
-        parts.append(f"{len(dataset):,} rows")
-    except TypeError:
-        parts.append("streamed")
-    columns = getattr(dataset, "column_names", None)
-    if columns:
-        parts.append("columns " + ", ".join(f"`{c}`" for c in columns))
-    return ", ".join(parts)
-
-
-def lora_settings(model) -> dict | None:
-    """The PEFT adapter settings of a ``PeftModel`` (None for a plain model)."""
-    configs = getattr(model, "peft_config", None)
-    if not configs:
-        return None
-    adapter = getattr(model, "active_adapter", None)
-    config = configs.get(adapter) if isinstance(adapter, str) and adapter in configs else next(iter(configs.values()))
-    values = {"peft_type": getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None))}
-    for key in ("r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "bias", "use_rslora",
-                "use_dora"):
-        value = getattr(config, key, None)
-        if isinstance(value, (set, frozenset)):
-            value = sorted(value)
-        if value not in (None, False) or key in ("r", "lora_alpha", "lora_dropout"):
-            values[key] = value
-    return values
-
-
-def deepspeed_settings(accelerator) -> dict | None:
-    """ZeRO stage, offload devices and process count of a DeepSpeed run (None without DeepSpeed)."""
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    if plugin is None:
-        return None
-    zero = (getattr(plugin, "deepspeed_config", None) or {}).get("zero_optimization", {}) or {}
-    values = {"zero_stage": int(getattr(plugin, "zero_stage", zero.get("stage", 0)) or 0),
-              "processes": getattr(accelerator, "num_processes", None)}
-    for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device")
-        if device not in (None, "none"):
-            values[f"{key}_device"] = device
-    return values
-
-
-def model_card_setup(trainer, dataset_name: str | None = None) -> dict:
-    """What the model card says about a run besides its hyper-parameters."""
-    model = trainer.model
-    config = getattr(model, "config", None)
-    quant = getattr(config, "quantization_config", None)
-    if quant is not None and hasattr(quant, "to_dict"):
-        quant = quant.to_dict()
-    if isinstance(quant, dict):
-        quant = {k: v for k, v in quant.items() if k in ("quant_method", "load_in_4bit", "load_in_8bit",
-                                                         "bnb_4bit_quant_type", "bnb_4bit_compute_dtype")}
-    weights = getattr(trainer, "reward_weights", None)
-    weights = weights.tolist() if hasattr(weights, "tolist") else list(weights or [])
-    names = list(getattr(trainer, "reward_func_names", []) or [])
-    return {
-        "base_model": getattr(config, "_name_or_path", None) if config is not None else None,
-        "rewards": list(zip(names, weights + [1.0] * (len(names) - len(weights)))),
-        "train_dataset": describe_dataset(getattr(trainer, "train_dataset", None), dataset_name),
-        "eval_dataset": describe_dataset(getattr(trainer, "eval_dataset", None)),
-        "lora": lora_settings(model),
-        "quantization": quant or None,
-        "deepspeed": deepspeed_settings(trainer.accelerator),
-        "processes": getattr(trainer.accelerator, "num_processes", 1),
-    }
-
-
-def _settings(values: dict) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in values.items())
-
-
-def model_card_section(args, spec, title: str, paper_id: str, setup: dict | None = None) -> str:
-    """The Markdown the model card gets after TRL's text: variant, paper, base model, rewards, data,
-    LoRA / quantization / DeepSpeed settings, and the hyper-parameter table."""
-    name = spec.name if spec else "grpo (TRL's GRPO loss)"
-    desc = f": {spec.description}" if spec else ""
-    lines = [
-        "## grpo-variants",
-        "",
-        f"Variant **{name}**{desc}.",
-        f"Paper: [{title}](https://arxiv.org/abs/{paper_id}) (arXiv {paper_id}).",
-        "",
-    ]
-    if setup is not None:
-        rewards = ", ".join(f"`{n}` (weight {w:g})" for n, w in setup.get("rewards", [])) or "none recorded"
-        lines += [
-            f"* Base model: {describe_base_model(setup.get('base_model'))}",
-            f"* Rewards: {rewards}",
-            f"* Training data: {setup.get('train_dataset') or 'not recorded'}",
-        ]
-        if setup.get("eval_dataset"):
-            lines.append(f"* Evaluation data: {setup['eval_dataset']}")
-        lines.append(f"* LoRA: {_settings(setup['lora'])}" if setup.get("lora") else "* LoRA: none (full fine-tuning)")
-        if setup.get("quantization"):
-            lines.append(f"* Quantization: {_settings(setup['quantization'])}")
-        if setup.get("deepspeed"):
-            lines.append(f"* DeepSpeed: {_settings(setup['deepspeed'])}")
-        else:
-            lines.append(f"* DeepSpeed: none ({setup.get('processes', 1)} process(es))")
-        lines.append("")
-    lines += [
-        "Hyper-parameters that differ from the variant's defaults or from `trl.GRPOConfig`'s:",
-        "",
-        "| field | this run | variant default | TRL default |",
-        "|---|---|---|---|",
-    ]
-    for field_name, value, default, trl_default in non_default_hyperparameters(args):
-        trl_text = "(not a TRL field)" if trl_default is ... else _show(trl_default)
-        lines.append(f"| `{field_name}` | {_show(value)} | {_show(default)} | {trl_text} |")
-    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -452,7 +263,7 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         changes = self.behaviour_changes()
         if not changes:
             return None
-        return f"grpo-variants {self.variant_name or 'base'}: beyond TRL's GRPO, this run uses " + "; ".join(changes) \
+        return f"grpo-variants {run_label(self.variant_name)}: beyond TRL's GRPO, this run uses " + "; ".join(changes) \
             + " (see `grpo-variants train --variant NAME --help` to change any of them)."
 
     # ---- construction ---------------------------------------------------------------------------
@@ -607,36 +418,32 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
             load_result = type(load_result)([], list(load_result.unexpected_keys))
         super()._issue_warnings_after_load(load_result)
 
-    # ---- model card ------------------------------------------------------------------------------
+    # ---- model card (grpo_variants.card) -----------------------------------------------------------
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card, naming the variant and its paper, plus a table of the non-default
-        hyper-parameters (what this run set, against the variant's and TRL's defaults)."""
+        """TRL's model card, naming the variant and its paper, with a Quick start that loads a saved folder
+        (or says how to save one) and a table of the non-default hyper-parameters (:mod:`grpo_variants.card`)."""
         from grpo_variants.registry import _VARIANTS
 
         spec = _VARIANTS.get(self.variant_name) if self.variant_name else None
         title, paper_id = _variant_paper(spec)
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         tags += ["grpo-variants"] + ([self.variant_name] if self.variant_name else [])
-        self._name = f"{spec.name} (grpo-variants)" if spec else "GRPO (grpo-variants)"
-        self._paper = {"title": title, "id": paper_id}
-        if spec is None or spec.name == "grpo":
-            self._paper = dict(GRPOTrainer._paper)
-        try:
+        self._card_args = {"model_name": model_name, "dataset_name": dataset_name}
+        with _card.trl_card_names(self, spec, title, paper_id):
             super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        finally:
-            del self._name, self._paper  # back to the class attributes
-        if not self.is_world_process_zero():
+        if self.is_world_process_zero():
+            _card.complete_model_card(self, spec, title, paper_id, dataset_name)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """``Trainer.save_model``; a save after training also rewrites the model card written at the end of
+        training, so that its Quick start loads the folder just saved (``final_model/`` in the demo)."""
+        super().save_model(output_dir, _internal_call)
+        if _internal_call:  # a checkpoint: TRL writes the card with it
             return
-        setup = model_card_setup(self, dataset_name)
-        card = os.path.join(self.args.output_dir, "README.md")
-        with open(card) as f:
-            text = f.read()
-        # TRL names only hub models: a local folder became "a fine-tuned version of [None](...None)" and a
-        # quick start loading model="None". Name the base model and load the saved model instead.
-        text = text.replace("[None](https://huggingface.co/None)", describe_base_model(setup["base_model"]))
-        text = text.replace('model="None"', f"model={(self.hub_model_id or self.args.output_dir)!r}")
-        with open(card, "w") as f:
-            f.write(text + "\n" + model_card_section(self.args, spec, title, paper_id, setup))
+        self._saved_model_dir = output_dir or self.args.output_dir
+        written = getattr(self, "_card_args", None)
+        if written is not None and os.path.exists(os.path.join(self.args.output_dir, "README.md")):
+            self.create_model_card(**written)
 
     # ---- checkpoints, resume, signals (grpo_variants.reliability) --------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):

@@ -234,9 +234,9 @@ def _nested(row: dict, dotted: str):
 
 def load_prompts(spec: DatasetSpec, system_prompt: str | None = None, max_samples: int | None = None):
     """The dataset as ``prompt`` (a conversation) + ``answer`` (gold) columns."""
-    from grpo_variants.cli import _load_dataset
+    from grpo_variants.inputs import load_dataset
 
-    dataset = _load_dataset(spec.path, split=spec.split, config_name=spec.config)  # a hub id, file or folder
+    dataset = load_dataset(spec.path, split=spec.split, config_name=spec.config)  # a hub id, file or folder
     if spec.filter is not None:
         dataset = dataset.filter(spec.filter)
     if max_samples is not None:
@@ -263,17 +263,15 @@ def resolve_inputs(recipe: Recipe, options):
         ignored = [f"--{name}" for name in ("model", "dataset", "dataset_config", "dataset_split", "max_train_samples")
                    if getattr(options, name) is not None]
         if ignored:
-            from grpo_variants.cli import UsageError
+            from grpo_variants.inputs import UsageError
 
             raise UsageError(f"--toy runs the toy kit (its policy, prompts and held-out set), so {', '.join(ignored)} "
                              "would not be used: drop them, or drop --toy.")
         kit = toy.prepare(verbose=is_main_process())
         return kit.model_path, kit.train_dataset, options.reward or ["toy_accuracy"], kit.eval_dataset
-    from grpo_variants.tasks.models import resolve_model
-    from grpo_variants.validation import check_model_path
+    from grpo_variants.inputs import resolve_model_path
 
-    model = resolve_model(options.model or recipe.model)
-    check_model_path(model)  # before the dataset downloads: a wrong model fails first, in one line
+    model = resolve_model_path(options.model or recipe.model)  # before the dataset downloads: fails first, in one line
     spec = recipe.dataset
     if options.dataset:
         spec = dataclasses.replace(spec, path=options.dataset, config=options.dataset_config, filter=None)
@@ -343,8 +341,7 @@ def resume_checkpoint(config):
     """``--resume_from_checkpoint`` as the CLI reads it: ``true`` / ``latest`` -> the newest complete checkpoint
     in ``output_dir``, a folder -> that checkpoint, ``false`` / absent -> a fresh run. A resume with nothing to
     resume from exits with one line (before any model is loaded)."""
-    from grpo_variants.cli import _resume_value
-    from grpo_variants.reliability import resolve_resume_checkpoint
+    from grpo_variants.inputs import resume_checkpoint as resolve
 
     with one_line_errors():
-        return resolve_resume_checkpoint(_resume_value(config.resume_from_checkpoint), config.output_dir)
+        return resolve(config.resume_from_checkpoint, config.output_dir)

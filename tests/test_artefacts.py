@@ -121,6 +121,16 @@ def test_deepspeed_settings_read_the_plugin():
     assert deepspeed_settings(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None))) is None
 
 
+def _run_quick_start(card: str, folder: Path) -> None:
+    """Run the card's Quick start as a reader would (fewer new tokens): it loads ``folder`` and generates."""
+    snippet = re.search(r"## Quick start\n.*?```python\n(.*?)\n```", card, re.S).group(1)
+    assert f"model={str(folder)!r}" in snippet, snippet
+    snippet = snippet.replace("max_new_tokens=128", "max_new_tokens=4")
+    out = {}
+    exec(compile(snippet + "\n_out = output", "model card quick start", "exec"), out)  # noqa: S102
+    assert isinstance(out["_out"]["generated_text"], str)
+
+
 def test_a_lora_run_leaves_a_card_and_curve_that_name_everything(tmp_path, toy_kit, make_args):
     """One LoRA step on the toy kit: the card names the local base model (no "[None]"), the rewards, the
     dataset and the adapter; ``record_heldout`` redraws the curve with the before / after points."""
@@ -134,11 +144,19 @@ def test_a_lora_run_leaves_a_card_and_curve_that_name_everything(tmp_path, toy_k
     out = Path(args.output_dir)
     card = (out / "README.md").read_text()
     assert "[None]" not in card and 'model="None"' not in card
-    assert f"fine-tuned version of `{toy_kit.model_path}` (a local folder)" in card
+    name = Path(toy_kit.model_path).name
+    assert f"fine-tuned version of `{name}` (a local folder)" in card and str(toy_kit.model_path) not in card
+    # nothing saved yet: the Quick start says how to save the weights instead of naming a folder without them
+    assert f"trainer.save_model({str(out)!r})" in card and not (out / "config.json").exists()
     assert "* Rewards: `toy_accuracy` (weight 1)" in card
     assert "* Training data: an in-memory dataset, 64 rows, columns `prompt`" in card
     assert re.search(r"\* LoRA: peft_type='LORA', r=4, lora_alpha=8, lora_dropout=0\.0", card), card
     assert "* DeepSpeed: none (1 process(es))" in card
+    # save_model() after training rewrites the card: its Quick start names the saved folder, and loads it
+    trainer.save_model(str(out / "final_model"))
+    card = (out / "README.md").read_text()
+    assert "trainer.save_model(" not in card
+    _run_quick_start(card, out / "final_model")
     curve = out / "reward_curve.png"
     first = curve.read_bytes()
     trainer.run_record.record_heldout(0.25, 0.5, "held-out greedy accuracy (8 problems)")
@@ -187,3 +205,31 @@ def test_importing_the_package_then_peft_prints_no_bitsandbytes_kernel_warning()
                           text=True, cwd=ROOT, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "gemm_4bit_forward" not in done.stdout + done.stderr
+
+
+def test_the_demos_card_loads_final_model(tmp_path, toy_kit, capsys):
+    """The demo saves the weights in ``final_model/`` after training: its card's Quick start names that folder
+    (not the output folder, which holds no weights) and loads it; the base model is named without its path."""
+    from grpo_variants.demo import main as demo
+
+    out = tmp_path / "demo"
+    assert demo(["--output_dir", str(out), "--max_steps", "1", "--eval_every", "100"]) == 0
+    card = (out / "README.md").read_text()
+    assert not (out / "model.safetensors").exists() and (out / "final_model" / "model.safetensors").exists()
+    assert str(Path(toy_kit.model_path).parent) not in card  # no absolute path of the base model
+    _run_quick_start(card, out / "final_model")
+
+
+def test_pyproject_reads_without_setuptools_deprecations():
+    """``pip install -e .`` printed setuptools' "`project.license` as a TOML table is deprecated": the license is
+    an SPDX string, and setuptools reads the whole [project] table without a deprecation warning."""
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), str(ROOT / "pyproject.toml"))
+    assert [str(w.message).splitlines()[0] for w in caught if "eprecat" in type(w.category).__name__ + str(w.message)] == []
+    assert dist.metadata.license_expression == "Apache-2.0"

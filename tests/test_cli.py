@@ -113,6 +113,14 @@ def test_toy_keeps_user_values_save_resume_true_and_eval_dataset(tmp_path, toy_k
     history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
     assert [r["step"] for r in history if "loss" in r] == [1, 2, 3]  # resumed at 2, one more step
     assert any("eval_reward" in r for r in history)
+    # the summary speaks of this run: 1 step (not 3), and its "first" reward is step 3's, not the original run's
+    out = capsys.readouterr().out
+    assert "grpo: 1 optimizer step in this run (resumed at step 2, now at step 3)" in out
+    reward_row = next(line for line in out.splitlines() if line.strip().startswith("reward (train rollouts)"))
+    step3 = next(r["reward"] for r in history if r.get("step") == 3 and "reward" in r)
+    from grpo_variants.console import _fmt
+
+    assert reward_row.split()[-2:] == [_fmt(step3), _fmt(step3)] and "first (this run)" in out
 
 
 def test_one_line_errors(capsys):
@@ -166,7 +174,7 @@ def test_verbose_restores_the_per_step_dicts(tmp_path, toy_model_path, capsys):
               "--disable_tqdm", "true"]
     assert main([*common, "--output_dir", str(tmp_path / "quiet")]) == 0
     quiet = capsys.readouterr().out
-    assert "'grad_norm'" not in quiet and "step 1/1" in quiet and "1 optimizer steps" in quiet
+    assert "'grad_norm'" not in quiet and "step 1/1" in quiet and "1 optimizer step\n" in quiet
     assert main([*common, "--output_dir", str(tmp_path / "loud"), "--verbose"]) == 0
     assert "'grad_norm'" in capsys.readouterr().out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -47,11 +48,23 @@ def test_callbacks_swapped_unless_verbose(make_args, toy_model_path, small_train
     assert PrinterCallback in _kinds(verbose) and CompactPrinterCallback not in _kinds(verbose)
 
 
-def test_run_prints_short_lines_and_a_summary(make_args, toy_model_path, small_train_dataset, capsys):
+def test_run_prints_short_lines_and_a_summary(make_args, toy_model_path, small_train_dataset, capsys, monkeypatch):
+    import grpo_variants.callbacks as callbacks
+
+    titles = []
+    plot = callbacks.plot_reward_curve
+    monkeypatch.setattr(callbacks, "plot_reward_curve", lambda records, path, title, heldout=None: (
+        titles.append(title), plot(records, path, title, heldout))[1])
     trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", train_dataset=small_train_dataset,
                                  args=make_args(disable_tqdm=True, max_steps=2))
     trainer.train()
     out = capsys.readouterr().out
+    # no variant: TRL's GRPO with TRL's defaults, not the `grpo` variant (the DeepSeekMath paper's defaults)
+    assert "TRL GRPO (no variant): 2 optimizer steps" in out and "grpo: " not in out
+    assert f"the model is not saved: trainer.save_model({trainer.args.output_dir!r})" in out  # nothing saved yet
+    assert titles == ["TRL GRPO (no variant): reward during training"]
+    card = (Path(trainer.args.output_dir) / "README.md").read_text()
+    assert "Variant **TRL GRPO (no variant)**: TRL's GRPO loss" in card and "trained with TRL GRPO (no variant)" in card
     assert "{'loss'" not in out and "'grad_norm'" not in out  # no per-step dicts
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/2", "2/2"] and all("reward" in line for line in lines)
@@ -80,3 +93,25 @@ def test_deepspeed_cpu_line_filtered():
     assert not all(f.filter(record) for f in logging.getLogger("DeepSpeed").filters)
     other = logging.LogRecord("DeepSpeed", logging.WARNING, __file__, 1, "something else", None, None)
     assert all(f.filter(other) for f in logging.getLogger("DeepSpeed").filters)
+
+
+def test_torch_c10d_deprecations_filtered_only_from_torch():
+    """torch's FutureWarning on the c10d collectives DeepSpeed's ZeRO-3 calls is dropped when it comes from
+    ``torch.distributed.c10d_logger``; the same words from another module, and another FutureWarning from
+    that module, still show (the filter is by message, category and module, never global)."""
+    from grpo_variants.runtime.noise import install_warning_filters
+
+    def shown(message, module, category=FutureWarning):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()  # pytest's own "ignore::FutureWarning" (pyproject) out of the way
+            warnings.simplefilter("default")
+            install_warning_filters()
+            warnings.warn_explicit(message, category, "c10d_logger.py", 83, module=module, registry={})
+        return len(caught)
+
+    torch_says = ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+                  "`torch.distributed.all_gather_single` instead.")
+    assert shown(torch_says, "torch.distributed.c10d_logger") == 0
+    assert shown(torch_says.replace("all_gather", "reduce_scatter"), "torch.distributed.c10d_logger") == 0
+    assert shown(torch_says, "my_module") == 1
+    assert shown("`x` is deprecated and will be removed", "torch.distributed.c10d_logger") == 1

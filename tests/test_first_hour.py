@@ -52,12 +52,12 @@ def test_a_pathlib_model_is_accepted_by_the_trainer(toy_model_path, small_train_
 
 
 def test_paths_for_datasets_evaluation_and_recipes(toy_kit, tmp_path):
-    from grpo_variants.cli import _load_dataset
+    from grpo_variants.inputs import load_dataset
     from grpo_variants.tasks import toy
 
     data = tmp_path / "prompts.jsonl"
     toy_kit.eval_dataset.select(range(8)).to_json(str(data))
-    assert len(_load_dataset(data)) == 8 and len(_load_dataset(str(data))) == 8
+    assert len(load_dataset(data)) == 8 and len(load_dataset(str(data))) == 8
     accuracy = toy.evaluate(Path(toy_kit.model_path), toy_kit.eval_dataset.select(range(8)))
     assert 0.0 <= accuracy <= 1.0
 

@@ -307,3 +307,24 @@ def test_old_flat_import_paths_are_the_moved_modules():
 
     assert grpo_variants.toy is toy and grpo_variants.sampling is sampling
     assert sampling.DynamicSamplingMixin.__module__ == "grpo_variants.rollout.sampling"
+
+
+def test_no_one_borrows_private_helpers_of_the_cli_or_the_trainer():
+    """Input resolution (model, datasets, resume) lives in ``grpo_variants.inputs`` and the model card in
+    ``grpo_variants.card``: the recipes and the package's other modules import those, never a private
+    ``_name`` of ``cli`` or the card helpers from ``trainer`` (issue #38, "two rooms of the house")."""
+    import re
+
+    borrowed = re.compile(r"from grpo_variants\.cli import[^\n]*\b_\w+|grpo_variants\.cli\._\w+|cli\._(resume_value|"
+                          r"load_dataset)|from grpo_variants\.trainer import[^\n]*\b(model_card_\w+|describe_\w+|"
+                          r"non_default_hyperparameters|deepspeed_settings|lora_settings)")
+    files = [*sorted((ROOT / "recipes").glob("*.py")), *sorted((ROOT / PACKAGE).rglob("*.py"))]
+    offenders = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in files
+                 if path.name != "cli.py" for m in [borrowed.search(path.read_text())] if m]
+    assert offenders == []
+    import grpo_variants.card
+    import grpo_variants.inputs
+    import grpo_variants.trainer
+
+    assert grpo_variants.trainer.model_card_section is grpo_variants.card.model_card_section  # old name kept
+    assert "def model_card_section" not in (ROOT / PACKAGE / "trainer.py").read_text()

@@ -45,6 +45,25 @@ def test_check_names_reward_and_missing_column():
     assert "'gold'" in msg  # lists what the dataset has
 
 
+def test_the_fix_names_the_rewards_own_factory():
+    """code_pass's missing column is fixed with make_code_reward(tests_column=...), never a math reward's
+    factory; a plain function gets the rename only (it has no factory to point elsewhere)."""
+    with pytest.raises(DatasetError) as err:
+        check_reward_columns([code_pass], _ds(test_list=["assert True"]))
+    msg = str(err.value)
+    assert "rename_column('test_list', 'tests')" in msg and "make_code_reward(tests_column='test_list')" in msg
+    assert "math" not in msg
+    with pytest.raises(DatasetError, match=r"make_math_accuracy\(answer_column='gold'\)"):
+        check_reward_columns([math_accuracy], _ds(gold=["2"]))
+
+    def needs_label(prompts, completions, label, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(DatasetError) as err:
+        check_reward_columns([needs_label], _ds(gold=["2"]))
+    assert "rename_column('gold', 'label'))." in str(err.value) and "make_" not in str(err.value)
+
+
 def test_trainer_rejects_missing_column_before_generating(toy_model_path, make_args, monkeypatch):
     from trl import GRPOTrainer
 

@@ -147,3 +147,27 @@ def test_toy_prepare_dispatches_the_chain_task():
     assert kit.max_completion_length == tr.MAX_COMPLETION_LENGTH and len(kit.eval_dataset) == 500
     assert AutoTokenizer.from_pretrained(kit.model_path)(">,")["input_ids"] == tr.build_tokenizer()(">,")["input_ids"]
     assert toy.prepare(task="addition", warm=False, verbose=False).eval_dataset[0]["difficulty"] == 2
+
+
+def test_a_first_chain_warm_start_says_it_takes_minutes(tmp_path, monkeypatch, capsys):
+    """Before the chain policy's first warm start (minutes) one line says what is happening and how long it
+    takes; a cached entry and verbose=False print nothing. The training itself is stopped at its first call."""
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(tr, "build_tokenizer", stop)  # the first thing the warm start does after the note
+    with pytest.raises(Stop):
+        tr.warm_start(output_dir=tmp_path / "fresh", verbose=True)
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1 and out.startswith("[chain warm start] training the chain-task policy")
+    assert "about 2 minutes" in out and str(tmp_path / "fresh") in out
+    with pytest.raises(Stop):
+        tr.warm_start(output_dir=tmp_path / "quiet", verbose=False)
+    (tmp_path / "cached").mkdir()
+    (tmp_path / "cached" / "warmstart.json").write_text("{}")
+    assert tr.warm_start(output_dir=tmp_path / "cached", verbose=True) == tmp_path / "cached"
+    assert capsys.readouterr().out == ""

@@ -1,11 +1,12 @@
 """The documented ZeRO-3 launches with the held-out evaluation on, as a user types them (2 CPU processes, gloo).
 
-``recipes/README.md`` documents ``accelerate launch --config_file recipes/accelerate/zero3.yaml
---num_processes 2 recipes/grpo_qwen.py --toy``; the same holds for ``dapo_qwen32b.py --toy`` and for
+``recipes/README.md`` documents ``DS_ACCELERATOR=cpu accelerate launch --config_file
+recipes/accelerate/zero3.yaml --num_processes 2 recipes/grpo_qwen.py --toy``; the same holds for ``dapo_qwen32b.py --toy`` and for
 ``grpo-variants train --model toy`` under ZeRO-3. Each evaluates held-out accuracy outside the trainer's
 own generation path: on a ZeRO-3 model that needs the partitions gathered first
 (``grpo_variants.runtime.distributed.gathered_copy``), else HF ``generate`` fails with "'weight' must be 2-D".
-What must hold: every launch exits 0 and prints the before / after accuracy rows. The launches are
+What must hold: every launch exits 0, prints the before / after accuracy rows, and no FutureWarning or
+DeepSpeed "Setting accelerator to CPU" line. The launches are
 shortened with flags the recipes and the CLI offer (``--max_steps 2``, a 32-problem ``--eval_dataset``,
 ``--eval_samples 1``); the code path is the documented one.
 """
@@ -31,7 +32,7 @@ LAUNCH_TIMEOUT = 600
 
 def _env() -> dict:
     env = _zero3_env()
-    env.update(HF_DATASETS_OFFLINE="1",
+    env.update(HF_DATASETS_OFFLINE="1", DS_ACCELERATOR="cpu",  # as recipes/README.md launches on a CPU
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return env
 
@@ -52,6 +53,9 @@ def _launch(tmp_path: Path, *target: str) -> str:
     text = log.read_text()
     assert rc == 0, f"{' '.join(target)} exited {rc}:\n{text[-4000:]}"
     assert "must be 2-D" not in text
+    # a readable console: no torch c10d FutureWarning per ZeRO-3 collective (hundreds per run), no DeepSpeed
+    # "Setting accelerator to CPU" (issue #38)
+    assert "FutureWarning" not in text and "Setting accelerator to CPU" not in text, text[-4000:]
     return text
 
 

@@ -78,16 +78,33 @@ def check_reward_columns(reward_funcs: Sequence[Any], dataset, dataset_name: str
     if columns is None:
         return
     present = set(columns)
-    problems = []
+    problems, missing = [], []
     for func in reward_funcs:
         for alternatives in required_columns(func):
             if not present.intersection(alternatives):
                 wanted = " or ".join(f"'{c}'" for c in alternatives)
                 problems.append(f"reward '{_reward_name(func)}' needs the column {wanted}")
+                missing.append((func, alternatives[0]))
     if problems:
+        func, column = missing[0]
         raise DatasetError(
             f"{dataset_name} is missing columns its rewards read: {'; '.join(problems)}. "
-            f"Columns present: {sorted(present)}. Add or rename the column "
-            "(e.g. dataset.rename_column('gold', 'answer')), or point the reward at another column "
-            "(e.g. make_math_accuracy(answer_column='gold'))."
+            f"Columns present: {sorted(present)}. {_fix_hint(func, column, sorted(present))}"
         )
+
+
+def _fix_hint(func: Any, column: str, present: list[str]) -> str:
+    """How to give ``func`` its ``column``: rename one, or point the reward's own factory at another column
+    (``make_code_reward(tests_column=...)`` for ``code_pass``; only a reward that has such a factory says so)."""
+    other = next((c for c in present if c != "prompt"), "your_column")
+    text = f"Add or rename the column (e.g. dataset.rename_column({other!r}, {column!r}))"
+    factory = getattr(func, "factory_name", None)
+    params = getattr(func, "_params", None)
+    try:
+        values = params() if callable(params) else {}
+    except Exception:  # noqa: BLE001 - a reward whose parameters cannot be read gets the plain hint
+        values = {}
+    key = next((k for k, v in values.items() if k.endswith("_column") and v == column), None)
+    if factory and key:
+        text += f", or point the reward at another column (e.g. {factory}({key}={other!r}))"
+    return text + "."
