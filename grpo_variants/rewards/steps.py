@@ -11,11 +11,14 @@ completion it returns one of:
   occurrence of the delimiter, and one extra score (if given) scores the text after the last one;
 * an empty list (no step: the completion gets no process advantage) or ``None`` (missing).
 
-The trainer maps each step end to the completion token that holds its last character
+The trainer maps each step end to the completion token that holds the last byte of its last character
 (:func:`step_token_indices`), using the tokenizer's own decoding of the generated ids
-(:func:`token_char_ends`): a step ending in the middle of a token belongs to that token; an empty
-step shares the token of the step before it; a step ending past the decoded text (a completion cut
-by the length limit) is dropped and counted, the steps that ended before the cut are kept.
+(:func:`token_char_ends`): a step ending in the middle of a token belongs to that token; a character
+that byte-level BPE splits over tokens belongs to the token that completes it; an empty step shares
+the token of the step before it. In a completion cut by the length limit only the steps that ended
+before the cut are credited: the step reaching the cut (ending at the end of the text, unless it ends
+with the function's declared delimiter) and any step ending past the decoded text are dropped and
+counted (``process/steps_dropped``); the tokens after the last credited step get no process credit.
 
 Through :class:`~grpo_variants.rewards.robust.RobustReward` a step reward gets the timeouts, error
 handling, NaN checks and caching of every reward. TRL sees one number per completion for it (the
@@ -34,6 +37,7 @@ __all__ = [
     "PrefixCharEnds",
     "StepReward",
     "coerce_step_reward",
+    "ended_steps",
     "is_step_reward",
     "step_delimiter",
     "step_reward",
@@ -169,41 +173,79 @@ def coerce_step_reward(value: Any, text: str | None, delimiter: str | None) -> S
     return StepReward.split(text or "", items, delimiter)
 
 
+def ended_steps(step: StepReward, text: str, *, truncated: bool, delimiter: str | None = None) -> tuple[StepReward, int]:
+    """The steps of one completion that ended, and how many were dropped.
+
+    A completion that ended (EOS) keeps every step. One cut by the length limit (``truncated``) keeps the steps
+    that ended before the cut: a step ending at or past the end of ``text`` (the text the reward saw) reached the
+    cut and is dropped, unless it ends exactly there with the function's declared ``delimiter`` (the delimiter was
+    generated, so the step ended).
+    """
+    if not truncated or not step.ends:
+        return step, 0
+    cut = len(text)
+    keep = [j for j, e in enumerate(step.ends)
+            if e < cut or (e == cut and delimiter and text[:e].endswith(delimiter))]
+    if len(keep) == len(step.ends):
+        return step, 0
+    return StepReward(tuple(step.ends[j] for j in keep), tuple(step.scores[j] for j in keep)), len(step.ends) - len(keep)
+
+
 # ------------------------------------------------------------------------------------------------
 # Step ends -> completion tokens
 # ------------------------------------------------------------------------------------------------
+def _agreed_chars(prefix: str, full: str) -> int:
+    """Characters of ``full`` that the decoded ``prefix`` already holds: their common prefix's length.
+
+    A prefix that ends inside a multi-byte character (byte-level BPE splits one character over tokens) decodes
+    its incomplete bytes to replacement characters, which the full text does not have there: they do not count,
+    so the character counts once the token holding its last byte is decoded.
+    """
+    if full.startswith(prefix):
+        return len(prefix)
+    lo, hi = 0, min(len(prefix), len(full))  # the longest n with prefix[:n] == full[:n] (monotone in n)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if full.startswith(prefix[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def token_char_ends(tokenizer, ids: Sequence[int], *, skip_special_tokens: bool = True) -> list[int]:
-    """``ends[k]``: characters of the decoded completion once tokens ``0..k`` are decoded (non-decreasing).
+    """``ends[k]``: characters of the decoded completion complete once tokens ``0..k`` are decoded (non-decreasing).
 
     Each prefix is decoded with the tokenizer itself (as TRL decodes the completion), so the offsets
-    agree with the text the reward saw; a prefix that ends inside a multi-byte character decodes to
-    a replacement character and is clamped by the running maximum and by the full text's length.
+    agree with the text the reward saw; a character counts from the token that holds its last byte (a prefix
+    that ends inside a multi-byte character decodes to a replacement character, which is not counted:
+    :func:`_agreed_chars`).
     """
     ids = [int(i) for i in ids]
     if not ids:
         return []
-    full = len(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+    full = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     ends, best = [], 0
     for k in range(1, len(ids) + 1):
-        n = len(tokenizer.decode(ids[:k], skip_special_tokens=skip_special_tokens))
-        best = min(max(best, n), full)
+        n = _agreed_chars(tokenizer.decode(ids[:k], skip_special_tokens=skip_special_tokens), full)
+        best = max(best, n)
         ends.append(best)
-    ends[-1] = full
+    ends[-1] = len(full)
     return ends
 
 
 class PrefixCharEnds:
     """:func:`token_char_ends` computed lazily: ``ends[k]`` decodes ``ids[: k + 1]`` on first access (cached).
 
-    :func:`step_token_indices` bisects it, so mapping K steps decodes O(K log T) prefixes instead of T. Values are
-    clamped to the full text's length; a prefix that ends inside a multi-byte character may read one character
-    long or short there (the eager :func:`token_char_ends` smooths it with a running maximum).
+    :func:`step_token_indices` bisects it, so mapping K steps decodes O(K log T) prefixes instead of T. A character
+    counts from the token that holds its last byte (:func:`_agreed_chars`), as in :func:`token_char_ends`.
     """
 
     def __init__(self, tokenizer, ids: Sequence[int], *, skip_special_tokens: bool = True):
         self.tokenizer, self.ids, self.skip = tokenizer, [int(i) for i in ids], skip_special_tokens
         self._cache: dict[int, int] = {}
-        self.total = len(tokenizer.decode(self.ids, skip_special_tokens=self.skip)) if self.ids else 0
+        self.text = tokenizer.decode(self.ids, skip_special_tokens=self.skip) if self.ids else ""
+        self.total = len(self.text)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -216,8 +258,8 @@ class PrefixCharEnds:
         if k == len(self.ids) - 1:
             return self.total
         if k not in self._cache:
-            self._cache[k] = min(len(self.tokenizer.decode(self.ids[: k + 1], skip_special_tokens=self.skip)),
-                                 self.total)
+            prefix = self.tokenizer.decode(self.ids[: k + 1], skip_special_tokens=self.skip)
+            self._cache[k] = _agreed_chars(prefix, self.text)
         return self._cache[k]
 
 
@@ -225,9 +267,10 @@ def step_token_indices(step_ends: Sequence[int], char_ends: Sequence[int], *, of
     """Map step ends (character offsets, exclusive) to completion token indices; None for a dropped step.
 
     Step j covers characters ``[.., e_j)``; its last character ``e_j - 1 - offset`` (``offset``: characters the
-    reward saw before the decoded completion, e.g. a prefilled assistant turn) lies in the first token k with
+    reward saw before the decoded completion, e.g. a prefilled assistant turn) is complete at the first token k with
     ``char_ends[k] > e_j - 1 - offset``, i.e. ``char_ends[k] >= e_j - offset``: a step that ends in the middle
-    of a token belongs to that token. A step ending at or before the completion's first character (an empty
+    of a token belongs to that token, and one whose last character spans tokens (a multi-byte character under
+    byte-level BPE) to the token holding the character's last byte. A step ending at or before the completion's first character (an empty
     first step, or one inside the prefill) maps to token 0. A step ending past the decoded text (cut by the
     length limit), or any step of an empty completion, is dropped (None).
     """
