@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _common import toy  # noqa: E402  (sets the offline environment)
+from _bench import toy  # noqa: E402  (sets the offline environment)
 
 import test_code_judge as tcj  # noqa: E402
 from conftest import tiny_args  # noqa: E402

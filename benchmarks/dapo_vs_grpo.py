@@ -42,7 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from _common import HeldOutEval, toy_run_config  # noqa: E402  (sets the offline environment first)
+from _bench import HeldOutEval, toy_run_config  # noqa: E402  (sets the offline environment first)
 
 from grpo_variants.lab import toy_preset  # noqa: E402
 

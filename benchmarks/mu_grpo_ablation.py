@@ -39,7 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from _common import mu_arm_fields, timed_train, toy_run_config  # noqa: E402  (sets the offline environment first)
+from _bench import mu_arm_fields, timed_train, toy_run_config  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from _common import timed_train  # noqa: E402  (sets the offline environment first)
+from _bench import timed_train  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
 

@@ -49,7 +49,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from _common import HeldOutEval, mu_arm_fields, timed_train, toy_run_config  # noqa: E402  (sets the offline environment first)
+from _bench import HeldOutEval, mu_arm_fields, timed_train, toy_run_config  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
 

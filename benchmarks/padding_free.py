@@ -44,7 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common  # noqa: E402,F401  (sets the offline environment first)
+import _bench  # noqa: E402,F401  (sets the offline environment first)
 
 import torch  # noqa: E402
 

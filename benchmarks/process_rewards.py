@@ -42,7 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import _common  # noqa: E402, F401  (the offline environment, before torch / transformers)
+import _bench  # noqa: E402, F401  (the offline environment, before torch / transformers)
 
 # The shared recipe: the reasoning benchmark's (8 completions per prompt, lr 1e-4 constant, temperature 0.7),
 # with 4 prompts per step instead of 8 (a 2-core machine shared by several jobs).
@@ -167,7 +167,7 @@ def run_arm(kit, name: str, arm: dict, seed: int, args) -> dict:
     import torch
 
     from grpo_variants import GRPOVariantConfig, GRPOVariantTrainer
-    from _common import toy_run_config
+    from _bench import toy_run_config
 
     torch.manual_seed(seed)
     values = toy_run_config(tempfile.mkdtemp(prefix=f"process-{name}-"), seed, SHARED["per_device_train_batch_size"],

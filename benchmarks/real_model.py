@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO  # noqa: E402  (sets the offline environment first)
+from _bench import REPO  # noqa: E402  (sets the offline environment first)
 
 import torch  # noqa: E402
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402

@@ -28,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import _common  # noqa: E402, F401  (the offline environment, before torch / transformers)
+import _bench  # noqa: E402, F401  (the offline environment, before torch / transformers)
 
 # The batch shape every arm shares (lab.TOY_CONFIG with the chain task's completion budget): 64 completions
 # (8 prompts x 8) per optimizer update, lr 1e-4 constant (the papers' 1e-6 does not move a 1M-parameter

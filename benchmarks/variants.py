@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import _common  # noqa: E402, F401  (the offline environment, before torch / transformers)
+import _bench  # noqa: E402, F401  (the offline environment, before torch / transformers)
 
 RECORD_KEYS = [
     "final_accuracy", "final_accuracy_std", "initial_accuracy", "best_accuracy", "wall_seconds",

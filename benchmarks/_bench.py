@@ -2,7 +2,7 @@
 
 Import it before torch / transformers (it sets the environment they read at import time)::
 
-    from _common import HeldOutEval, toy_run_config   # run as `python benchmarks/<script>.py`
+    from _bench import HeldOutEval, toy_run_config   # run as `python benchmarks/<script>.py`
 """
 
 from __future__ import annotations
