@@ -65,6 +65,16 @@ def _raise(err: Exception):
     raise err
 
 
+def normalise_padding_free(value):
+    """``padding_free`` as ``"auto"``, ``True`` or ``False`` (also from the CLI's / a YAML file's strings)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("auto", "true", "false"):
+        return {"auto": "auto", "true": True, "false": False}[value.strip().lower()]
+    raise ConfigError(f"padding_free={value!r}: use 'auto' (pack where the model is verified to honour packed "
+                      "position_ids), True or False.")
+
+
 @dataclass
 class GRPOVariantConfig(GRPOConfig):
     """Configuration of :class:`~grpo_variants.GRPOVariantTrainer` and every variant.
@@ -302,13 +312,17 @@ class GRPOVariantConfig(GRPOConfig):
         },
     )
     # ---- padding-free training forward (grpo_variants.rollout.packing; any variant) -----------------
-    padding_free: bool = field(
-        default=False,
+    padding_free: str = field(  # "auto", True or False (the CLI's "true" / "false" too); normalised in __post_init__
+        default="auto",
         metadata={
             "help": "Pack each micro-batch's sequences (pads removed, position_ids restarting per sequence) for every "
             "training-side forward (policy, reference, recomputed old log-probs) and run the LM head only at "
-            "completion positions. Same losses and gradients as the padded path (to float rounding). False: TRL's "
-            "padded forward. See docs/padding_free.md."
+            "completion positions. Same losses and gradients as the padded path (to float rounding). 'auto': on "
+            "where the model is verified at start to honour packed position_ids, off otherwise (one start line says "
+            "which); true: on, refused for a model that cannot pack; false: TRL's padded forward. See "
+            "docs/padding_free.md.",
+            "nargs": "?",  # a bare --padding_free means true, as for a bool field
+            "const": "true",
         },
     )
     padding_free_max_tokens: int | None = field(
@@ -391,11 +405,13 @@ class GRPOVariantConfig(GRPOConfig):
             derive_stage(self, stage_request)  # TRL's batch fields from the stage (grpo_variants.rollout.stages)
         check_adaptive_clip_composition(self)
         check_vllm_config(self)  # vllm_dtype, sleep mode on CPU (grpo_variants.rollout.vllm_engine)
+        self.padding_free = normalise_padding_free(self.padding_free)
         budget = self.padding_free_max_tokens
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"padding_free_max_tokens ({budget!r}) must be an integer >= 1 or None.")
-        if budget is not None and not self.padding_free:
-            raise ConfigError(f"padding_free_max_tokens={budget} only applies with padding_free=True: set both.")
+        if budget is not None and self.padding_free is False:
+            raise ConfigError(f"padding_free_max_tokens={budget} only applies with padding_free=True or 'auto': set "
+                              "padding_free=True (or leave it at 'auto').")
 
     def _checkpointing_under_its_new_name(self) -> None:
         """Recent transformers 5 releases renamed gradient_checkpointing to activation_checkpointing and warn when

@@ -322,7 +322,9 @@ def test_config_refuses_bad_budget(make_args):
     with pytest.raises(ConfigError, match="padding_free_max_tokens"):
         make_args(padding_free=True, padding_free_max_tokens=0)
     with pytest.raises(ConfigError, match="only applies with padding_free=True"):
-        make_args(padding_free_max_tokens=128)
+        make_args(padding_free=False, padding_free_max_tokens=128)
+    assert make_args(padding_free_max_tokens=128).padding_free == "auto"  # the default resolves at construction
+    assert make_args(padding_free="false").padding_free is False  # the CLI's / YAML's string
 
 
 def test_refuses_attention_that_ignores_packing(toy_model_path, small_train_dataset, tmp_path):

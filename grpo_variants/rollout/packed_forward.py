@@ -17,12 +17,15 @@ Where packing cannot be exact the trainer refuses at construction (:meth:`_check
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 import torch
 
 from grpo_variants.errors import ConfigError
 from grpo_variants.rollout.packing import pack, unpack
+
+logger = logging.getLogger(__name__)
 
 # attention implementations whose mask transformers builds from packed position_ids (or, for the flash
 # kernels, whose varlen call reads them) when attention_mask is None
@@ -89,9 +92,27 @@ class PaddingFreeMixin:
     """``_get_per_token_logps_and_entropies`` on packed rows when ``args.padding_free`` (TRL's otherwise)."""
 
     def _check_padding_free(self) -> None:
-        """Refuse, before any generation, what packing cannot compute exactly. Call after TRL's ``__init__``."""
-        if not getattr(self.args, "padding_free", False):
+        """Resolve ``padding_free="auto"`` (on where the checks below pass, off otherwise) and refuse, for
+        ``padding_free=True``, what packing cannot compute exactly. One start line says which was chosen."""
+        choice = getattr(self.args, "padding_free", False)
+        if choice == "auto":
+            try:
+                self._refuse_unsafe_packing()
+            except ConfigError as err:
+                self.args.padding_free = False
+                logger.info("padding_free=auto: off (padded forward), %s", str(err).split(": ", 1)[-1])
+            else:
+                self.args.padding_free = True
+                logger.info("padding_free=auto: on (the model honours packed position_ids)")
             return
+        if choice:
+            self._refuse_unsafe_packing()
+            logger.info("padding_free=True: on")
+        else:
+            logger.info("padding_free=False: off (padded forward)")
+
+    def _refuse_unsafe_packing(self) -> None:
+        """Raise a ConfigError for what packing cannot compute exactly."""
         fix = "set padding_free=False"
         lm = causal_lm(self.model)
         config = lm.config
