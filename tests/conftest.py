@@ -156,14 +156,41 @@ def _release_models_after_each_test(request):
 SHUFFLE_ENV = "GRPO_VARIANTS_TEST_SHUFFLE"  # an integer seed: run the tests in a shuffled order
 
 
+WORKER_THREADS_ENV = "GRPO_VARIANTS_WORKER_THREADS"  # e.g. "2,1": torch threads of worker gw0, gw1, ...
+
+
+def _worker_threads() -> int | None:
+    """This xdist worker's torch thread count from ``$GRPO_VARIANTS_WORKER_THREADS`` (test-portable: one worker on
+    2 threads, the other on 1, so the pass runs another thread count than the 1-thread tiers), else None."""
+    spec, worker = os.environ.get(WORKER_THREADS_ENV), os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    if not spec or not worker.startswith("gw"):
+        return None
+    counts = [int(n) for n in spec.split(",")]
+    return counts[int(worker[2:]) % len(counts)]
+
+
+def pytest_configure(config):
+    threads = _worker_threads()
+    if threads is not None:  # subprocesses the tests start inherit it too
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def pytest_report_header(config):
-    for item in items:
-        if _launches_processes(item):  # one launch at a time across the workers (make test: --dist loadgroup)
-            item.add_marker(pytest.mark.xdist_group("multiprocess"))
+    return _run_setting_lines()
+
+
+def _run_setting_lines() -> list[str]:
+    """The shuffle seed and per-worker threads, in the header and (since -q hides the header) the summary."""
+    lines = []
     seed = os.environ.get(SHUFFLE_ENV)
     if seed:
-        return f"test order shuffled with seed {seed} ({SHUFFLE_ENV}={seed} reproduces it)"
-    return None
+        lines.append(f"test order shuffled with seed {seed} ({SHUFFLE_ENV}={seed} reproduces it)")
+    if os.environ.get(WORKER_THREADS_ENV):
+        lines.append(f"torch threads per xdist worker (gw0, gw1, ...): {os.environ[WORKER_THREADS_ENV]}")
+    return lines
 
 
 # Modules whose tests (or module fixtures) launch 2-rank trainings: their module fixtures then run once, on one
@@ -181,6 +208,7 @@ def _launches_processes(item) -> bool:
     return "--num_processes" in str(getattr(block, "code", ""))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads xdist_group (this conftest is registered first)
 def pytest_collection_modifyitems(config, items):
     """Multi-process launches in one xdist group (see ``MULTIPROCESS_MODULES``). Slow tests first: with two workers, the long tests start early instead of one worker finishing last
     with a multi-minute test while the other idles. Order within each class is kept (stable sort).
@@ -224,3 +252,5 @@ def pytest_terminal_summary(terminalreporter):
     worst = max(value for value, _ in peaks.values()) / 2**30
     verdict = "within" if worst <= MEMORY_LIMIT_GB else "ABOVE"
     terminalreporter.write_line(f"peak RSS per pytest process: {parts} ({verdict} the {MEMORY_LIMIT_GB:.0f} GB limit)")
+    for line in _run_setting_lines():
+        terminalreporter.write_line(line)

@@ -79,3 +79,12 @@ def test_cli_train_toy_under_zero3_with_evaluation(tmp_path, toy_kit):
                   "--output_dir", str(tmp_path / "o"))
     assert "held-out greedy accuracy (32 problems)" in out  # the before / after row of the summary
     assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_launch_tests_run_in_one_xdist_group(request):
+    """Under `make test` (xdist --dist loadgroup) every test of this module is in the "multiprocess" group, so no
+    two 2-rank launches share the 2 cores and module fixtures run once (tests/conftest.py's hook must run before
+    xdist reads the marker: it once ran after, and launches ran side by side on both workers)."""
+    assert request.node.get_closest_marker("xdist_group").args[0] == "multiprocess"
+    if getattr(request.config.option, "loadgroup", False):  # an xdist worker of a loadgroup run
+        assert request.node.nodeid.endswith("@multiprocess"), request.node.nodeid
