@@ -57,3 +57,30 @@ def test_deepspeed_plugin_reads_the_json(name, monkeypatch):
 def test_unknown_accelerate_config():
     with pytest.raises(ConfigError, match="zero3"):
         accelerate_config_path("zero4")
+
+
+def test_a_stale_deepspeed_build_lock_is_removed_and_a_live_one_kept(tmp_path, caplog):
+    """A CPU ZeRO-3 launch loads DeepSpeed's shm_comm op under torch's bare `lock` file; a launch killed while
+    holding it made every later launch wait forever. A lock older than any build is removed (one warning);
+    a fresh one (a build under way) and other users' files are left alone."""
+    import logging
+    import os
+    import time
+
+    from grpo_variants.runtime.distributed import STALE_LOCK_BUILT_S, STALE_LOCK_UNBUILT_S, clear_stale_build_locks
+
+    built, unbuilt, fresh = (tmp_path / "py311_cpu" / name for name in ("deepspeed_shm_comm", "deepspeed_x", "deepspeed_y"))
+    for folder in (built, unbuilt, fresh):
+        folder.mkdir(parents=True)
+        (folder / "lock").touch()
+    (built / "deepspeed_shm_comm.so").touch()
+    now = time.time()
+    os.utime(built / "lock", (now - STALE_LOCK_BUILT_S - 5,) * 2)  # stale: the op is built, loading takes seconds
+    os.utime(unbuilt / "lock", (now - STALE_LOCK_BUILT_S - 5,) * 2)  # a first build may still be running
+    with caplog.at_level(logging.WARNING, logger="grpo_variants.runtime.distributed"):
+        assert clear_stale_build_locks(tmp_path) == [str(built / "lock")]
+    assert not (built / "lock").exists() and (unbuilt / "lock").exists() and (fresh / "lock").exists()
+    assert "stale DeepSpeed build lock" in caplog.text and str(built / "lock") in caplog.text
+    os.utime(unbuilt / "lock", (now - STALE_LOCK_UNBUILT_S - 5,) * 2)
+    assert clear_stale_build_locks(tmp_path) == [str(unbuilt / "lock")]
+    assert clear_stale_build_locks(tmp_path / "missing") == []

@@ -42,8 +42,49 @@ def install_cpu_distributed_shim() -> bool:
 
     PartialState._prepare_backend = _prepare_backend
     _INSTALLED = True
+    clear_stale_build_locks()
     logger.info("grpo-variants: CPU distributed shim installed (gloo, MULTI_CPU) for a CUDA-less launch")
     return True
+
+
+# Seconds after which a JIT-build lock is taken as left behind by a killed process: an up-to-date extension
+# (its .so built) loads in seconds, a first build of DeepSpeed's CPU op takes about a minute on 2 cores.
+STALE_LOCK_BUILT_S = 120.0
+STALE_LOCK_UNBUILT_S = 900.0
+
+
+def clear_stale_build_locks(root: str | os.PathLike | None = None) -> list[str]:
+    """Remove the JIT-build locks of DeepSpeed's C++ ops that a killed launch left behind; one warning each.
+
+    A CPU ZeRO-3 launch loads DeepSpeed's ``shm_comm`` op through ``torch.utils.cpp_extension``, which guards the
+    (re)build with a bare ``lock`` file in the op's build folder (no owner pid). A launch killed while it holds
+    the lock leaves the file, and every later launch then waits on it forever, printing nothing. A lock is
+    stale when it is older than any build: :data:`STALE_LOCK_BUILT_S` when the op's ``.so`` is already built,
+    :data:`STALE_LOCK_UNBUILT_S` otherwise. Only this user's files are touched. Returns the removed paths.
+    """
+    import glob
+    import time
+
+    if root is None:
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
+    removed = []
+    now = time.time()
+    for lock in glob.glob(os.path.join(str(root), "*", "deepspeed_*", "lock")):
+        try:
+            st = os.stat(lock)
+            built = bool(glob.glob(os.path.join(os.path.dirname(lock), "*.so")))
+            limit = STALE_LOCK_BUILT_S if built else STALE_LOCK_UNBUILT_S
+            age = now - st.st_mtime
+            if st.st_uid != os.getuid() or age < limit:
+                continue
+            os.remove(lock)
+        except OSError:  # gone meanwhile (another rank removed it), or not ours to remove
+            continue
+        removed.append(lock)
+        logger.warning("grpo-variants: removed a stale DeepSpeed build lock %s (%.0f s old, left by a killed launch; "
+                       "every launch would otherwise wait on it forever)", lock, age)
+    return removed
 
 
 # ------------------------------------------------------------------------------------------------
