@@ -320,6 +320,17 @@ def test_robust_reward_returns_the_mean_to_trl_and_keeps_the_steps():
     with pytest.raises(RewardFunctionError, match="@grpo_variants.step_reward"):
         RobustReward(undeclared)(prompts=["p"], completions=["x"])
 
+    @step_reward
+    def flat(prompts, completions, **kwargs):  # one list of steps for the whole batch: a common mistake
+        return [(1, 1.0), (2, 0.0), (3, 1.0)]
+
+    with pytest.raises(RewardFunctionError, match=r"returned 3 rewards for 2 completions; a step reward "
+                                                  r"\(@step_reward\) must return exactly one entry per completion: "
+                                                  r"its steps \(a StepReward, a list of \(end_char, score\) pairs"):
+        RobustReward(flat)(prompts=["p", "p"], completions=["x", "y"])
+    with pytest.raises(RewardFunctionError, match=r"one value \(float or None\) per completion"):
+        RobustReward(lambda prompts, completions, **kw: [1.0])(prompts=["p", "p"], completions=["x", "y"])
+
     cached = RobustReward(comma_steps, cache_duplicates=True)
     assert cached(prompts=["p"] * 3, completions=["1,2", "1,2", "3"]) == [1.0] * 3
     assert cached.last_steps[0] == cached.last_steps[1] == StepReward((2, 3), (1.0, 1.0))

@@ -333,12 +333,37 @@ def test_timeout_raise_and_none(isolation):
     assert m["timeout_rate"] == 1.0 and m["error_rate"] == 0.0 and math.isnan(m["mean"])
 
 
-def test_crash_names_function_and_index():
-    r = RobustReward(crashy_reward, timeout=5)
+@pytest.mark.parametrize("isolation", ["thread", "process", "none"])
+def test_crash_is_raised_after_one_call_naming_function_exception_and_line(isolation):
+    """on_error='raise' (the default): the reward is called once, as TRL does, never re-called per sample unasked
+    (a paid or side-effecting reward would pay once per sample); the error names the function, the batch, the
+    exception and the line that raised it, in a few lines (no traceback dump)."""
+    calls = []
+
+    def paid_judge(prompts, completions, **kw):
+        calls.append(len(completions))
+        return crashy_reward(prompts, completions)
+
+    r = RobustReward(paid_judge, timeout=5, isolation=isolation)
     with pytest.raises(RewardFunctionError) as ei:
         _call(r, ["ok", "fine", "boom", "x"])
     msg = str(ei.value)
-    assert "crashy_reward" in msg and "sample 2" in msg and "ValueError" in msg and "cannot score 'boom'" in msg
+    assert "'paid_judge'" in msg and "ValueError: cannot score 'boom'" in msg and "batch of 4" in msg
+    assert "reward_on_error='none'" in msg and "in crashy_reward" in msg and len(msg.splitlines()) == 2
+    if isolation != "process":  # the child's calls are not seen here; its one call is the batch's
+        assert calls == [4]
+
+
+def test_crash_with_on_error_none_re_scores_one_sample_at_a_time():
+    calls = []
+
+    def judge(prompts, completions, **kw):
+        calls.append(len(completions))
+        return crashy_reward(prompts, completions)
+
+    r = RobustReward(judge, on_error="none")
+    assert _call(r, ["ok", "fine", "boom", "x"]) == [2.0, 4.0, None, 1.0]
+    assert calls == [4, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("isolation", ["thread", "process", "none"])

@@ -20,11 +20,12 @@ score silently became 0):
   call; the return value must be picklable, side effects in the child (caches,
   ``log_metric``/``log_extra`` calls, counters) are lost, and the child must not use CUDA.
   ``isolation="none"``, or ``"thread"`` without a timeout, calls in the caller's thread.
-* **Errors**: an exception becomes :class:`RewardFunctionError` naming the reward, the index of
-  the first failing sample (found by re-running the batch one sample at a time, within another
-  ``timeout``; announced by one warning per reward, since it costs extra calls and a group-level
-  reward scores differently alone) or "a batch of N" when that does not reproduce it, and the original exception's
-  type and message. With ``on_error="none"`` failing samples become None (missing: TRL turns it
+* **Errors**: an exception becomes :class:`RewardFunctionError` naming the reward, the batch size,
+  the original exception's type and message and the line that raised it. The function is called once,
+  as TRL calls it: it is never re-called unasked (a paid or side-effecting reward would pay once per
+  sample). With ``on_error="none"`` (the opt-in) the batch is scored again one sample at a time, within
+  another ``timeout`` (announced by one warning per reward, since it costs extra calls and a
+  group-level reward scores differently alone): failing samples become None (missing: TRL turns it
   into NaN and ignores it), the other samples keep their scores, and the errors are counted.
 * **Timeouts**: ``on_error="raise"`` raises RewardFunctionError naming the timeout and how to
   change it; ``"none"`` returns Nones (counted as timeouts).
@@ -117,6 +118,9 @@ class _Failure:
         self.type_name = type(exc).__name__
         self.message = str(exc)
         self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]
+        frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+        last = frames[-1] if frames else None  # where it was raised (the reward's own code, or what it called)
+        self.where = f'File "{last.filename}", line {last.lineno}, in {last.name}' if last is not None else ""
 
     def describe(self) -> str:
         return f"{self.type_name}: {self.message}" if self.message else self.type_name
@@ -366,8 +370,10 @@ class RobustReward:
             raise RewardFunctionError(
                 f"Reward function '{self.__name__}' returned {len(out)} rewards for {n} completions"
                 + (f" (the {n} distinct samples of a batch of {batch}: reward_cache=True)" if batch and batch != n else "")
-                + "; it must "
-                "return exactly one value (float or None) per completion."
+                + ("; a step reward (@step_reward) must return exactly one entry per completion: its steps (a "
+                   "StepReward, a list of (end_char, score) pairs or, with a declared delimiter, a list of step "
+                   "scores), or None when the completion has no score." if self.returns_steps else
+                   "; it must return exactly one value (float or None) per completion.")
             )
         values: list = []
         for i, v in enumerate(out):
@@ -457,12 +463,13 @@ class RobustReward:
                 self._account(n, 0, n, 0, n - m, [], time.perf_counter() - t0)
                 raise self._timeout_error(m)
             values = [_TIMEOUT] * m
+        elif isinstance(res, _Failure) and self.on_error == "raise":
+            # Called once, as TRL calls it: a raising reward is not re-called per sample unasked (a paid or
+            # side-effecting reward would pay once per sample). reward_on_error='none' opts into that.
+            self._account(n, n, 0, 0, n - m, [], time.perf_counter() - t0)
+            raise self._batch_error(res, n)
         elif isinstance(res, _Failure):
-            try:
-                values = self._per_sample(unique, args_for, res, n, completions)
-            except RewardFunctionError:
-                self._account(n, n, 0, 0, n - m, [], time.perf_counter() - t0)
-                raise
+            values = self._per_sample(unique, args_for, res, n, completions)
         else:
             values = self._validate(res, m, n, texts=[completions[i] for i in unique])  # wrong length raises here
             if any(isinstance(v, _Failure) for v in values) and self.on_error == "raise":
@@ -505,22 +512,28 @@ class RobustReward:
         self._account(n, n_err, n_timeout, n_nan, n - m, [v for v in out if v is not None], time.perf_counter() - t0)
         return out
 
+    def _batch_error(self, failure: _Failure, n: int) -> RewardFunctionError:
+        where = f"\n  {failure.where}" if failure.where else ""
+        return RewardFunctionError(
+            f"Reward function '{self.__name__}' raised {failure.describe()} on a batch of {n} samples (called once, "
+            "as TRL does). Fix the function, or set reward_on_error='none' to score the batch again one sample at a "
+            f"time, failing samples as missing.{where}"
+        )
+
     def _per_sample(self, unique: list[int], args_for, batch_failure: _Failure, n: int, completions) -> list:
-        """After a failed batch call: score samples one at a time (first failure only with raise).
+        """After a failed batch call, with reward_on_error='none' (the user's opt-in): score samples one at a time.
 
         Announced once per reward (a warning): the function is called again, once per sample, which costs more
         calls (a paid judge) and, for a reward that scores a sample against the rest of its batch (group-level),
         gives other values than a batch call would.
         """
-        stop_early = self.on_error == "raise"
         if not self._announced_per_sample:
             self._announced_per_sample = True
-            purpose = ("to find the failing sample before raising" if stop_early
-                       else "and the samples that succeed keep those single-sample scores (reward_on_error='none')")
             logger.warning(
                 "Reward '%s' raised %s on a batch of %d; calling it again one sample at a time (up to %d more calls) "
-                "%s. This is said once per reward; a group-level or paid reward should not raise.",
-                self.__name__, batch_failure.describe(), n, len(unique), purpose)
+                "and the samples that succeed keep those single-sample scores (reward_on_error='none'). This is said "
+                "once per reward; a group-level or paid reward should not raise.",
+                self.__name__, batch_failure.describe(), n, len(unique))
 
         def one_by_one():
             vals = []
@@ -534,21 +547,9 @@ class RobustReward:
                         vals.append(self._validate(r, 1, texts=[completions[i]])[0])
                 except Exception as exc:  # noqa: BLE001
                     vals.append(_Failure(exc))
-                if stop_early and isinstance(vals[-1], _Failure):
-                    break
             return vals
 
         vals = self._invoke(one_by_one, len(unique))
-        first = None
-        if isinstance(vals, list):
-            first = next((k for k, v in enumerate(vals) if isinstance(v, _Failure)), None)
-        if self.on_error == "raise":
-            if first is not None:
-                raise self._sample_error(unique[first], n, vals[first], completions)
-            raise RewardFunctionError(
-                f"Reward function '{self.__name__}' raised {batch_failure.describe()} on a batch of {n} "
-                f"samples (re-running them one at a time did not reproduce it).\n{batch_failure.traceback}"
-            )
         if not isinstance(vals, list) or len(vals) != len(unique):
             return [batch_failure] * len(unique)  # the per-sample pass timed out or failed as a whole
         return vals
