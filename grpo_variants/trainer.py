@@ -203,6 +203,9 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         if self.accelerator.is_main_process and hasattr(self.args, "loss_composition_notes"):
             for note in self.args.loss_composition_notes():
                 logger.warning(note)
+        if self.accelerator.is_main_process:
+            for note in self.short_run_warnings():
+                logger.warning(note)
         if torch.cuda.is_available():  # model FLOPs utilisation (throughput/mfu); never logged on CPU
             from grpo_variants.callbacks import MFUCallback
 
@@ -230,6 +233,11 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
             doc = (type(self).__doc__ or "").strip().splitlines()
             what = doc[0].split("; see")[0].rstrip(".") if doc else type(self).__name__
             out.append(f"its own rollout ({what})")
+        if a.padding_free is True:
+            how = (f"padding_free='auto': {self.padding_free_reason}" if getattr(self, "padding_free_auto", False)
+                   else "padding_free=True")
+            out.append(f"a padding-free training forward (packed sequences, the same losses to float rounding; {how}; "
+                       "padding_free=False for TRL's padded forward)")
         if a.dynamic_sampling:
             out.append(f"dynamic sampling (only groups whose {a.dynamic_sampling_metric} passes the "
                        f"{a.dynamic_sampling_filter!r} filter are trained; more are generated to fill the batch, up "
@@ -257,6 +265,29 @@ class GRPOVariantTrainer(DynamicSamplingMixin, StageRolloutMixin, ProcessSupervi
         if a.adaptive_clip_target is not None:
             out.append(f"adaptive clip range (target clipped fraction {a.adaptive_clip_target})")
         return out
+
+    def short_run_warnings(self) -> list[str]:
+        """One line per way a run with ``max_steps`` set would silently not be the run asked for: a learning-rate
+        warm-up as long as the run (the rate never reaches ``learning_rate``), or fewer optimizer steps than one
+        rollout feeds (every update trains on the completions of the first rollout)."""
+        args, notes = self.args, []
+        if args.max_steps is None or args.max_steps <= 0:
+            return notes
+        warmup = args.get_warmup_steps(args.max_steps)
+        if warmup >= args.max_steps and args.lr_scheduler_type != "constant":
+            notes.append(
+                f"warmup_steps={args.warmup_steps:g} covers all max_steps={args.max_steps} optimizer steps: the learning "
+                f"rate is in warm-up the whole run and never reaches learning_rate={args.learning_rate:g}. Lower "
+                "warmup_steps (e.g. warmup_steps=0) or raise max_steps.")
+        per_rollout = (args.steps_per_generation // args.gradient_accumulation_steps) * args.num_iterations
+        if args.max_steps < per_rollout:
+            notes.append(
+                f"max_steps={args.max_steps} is shorter than one rollout: each rollout feeds {per_rollout} optimizer "
+                f"steps (steps_per_generation={args.steps_per_generation} / gradient_accumulation_steps="
+                f"{args.gradient_accumulation_steps} x num_iterations={args.num_iterations}), so the whole run trains "
+                f"on the completions of one rollout. Raise max_steps to a multiple of {per_rollout}, or lower "
+                "steps_per_generation (mini_batches_per_rollout).")
+        return notes
 
     def announce_behaviour(self) -> str | None:
         """One line naming :meth:`behaviour_changes` (None when the run is TRL's GRPO with our defaults)."""

@@ -201,9 +201,14 @@ def test_the_start_up_line_names_the_behaviour_changes(toy_model_path, small_tra
     for what in ("dynamic sampling", "an extra reward 'overlong_penalty'", "dual clip"):
         assert what in line
     assert line in caplog.text and "\n" not in line
-    plain = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=make_args(),
+    plain = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=make_args(padding_free=False),
                                train_dataset=small_train_dataset)
     assert plain.announce_behaviour() is None  # TRL's GRPO with our defaults: nothing to announce
+    packed = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=make_args(),
+                                train_dataset=small_train_dataset)
+    assert packed.args.padding_free is True  # padding_free="auto": the toy Qwen2 passes the probe
+    assert "padding-free training forward" in packed.announce_behaviour()
+    assert "padding_free='auto': qwen2 honours packed position_ids" in packed.announce_behaviour()
 
 
 def test_the_per_sample_re_call_of_a_failed_reward_is_announced_once(caplog):
@@ -385,3 +390,35 @@ def test_an_unreachable_reward_model(tmp_path, capsys, monkeypatch):
                  "--output_dir", str(tmp_path / "o")])
     err = _one_line_error(capsys, code)
     assert "not a registered reward name" in err and "HF_HUB_OFFLINE" in err
+
+
+def test_a_run_shorter_than_its_warm_up_or_one_rollout_warns_at_construction(toy_model_path, small_train_dataset,
+                                                                             make_args, caplog):
+    """The README's first DAPO example once ran max_steps=5 with DAPO's 20 warm-up steps and 16 updates per rollout:
+    in warm-up the whole run, on one rollout, silently. Both are said at construction; a run that fits says nothing."""
+    from grpo_variants import get_variant
+
+    spec = get_variant("dapo")
+    with caplog.at_level(logging.WARNING, logger="grpo_variants.trainer"):
+        short = spec.trainer_cls(model=toy_model_path, reward_funcs="toy_accuracy_pm1",
+                                 args=make_args(spec.config_cls, max_steps=5, per_device_train_batch_size=16,
+                                                gradient_accumulation_steps=1, steps_per_generation=None,
+                                                mini_batches_per_rollout=16, warmup_steps=20,
+                                                lr_scheduler_type="constant_with_warmup"),  # DAPO's schedule
+                                 train_dataset=small_train_dataset)
+    notes = short.short_run_warnings()
+    assert len(notes) == 2 and all(note in caplog.text for note in notes)
+    assert "warmup_steps=20 covers all max_steps=5" in notes[0] and "never reaches learning_rate" in notes[0]
+    assert "max_steps=5 is shorter than one rollout: each rollout feeds 16 optimizer steps" in notes[1]
+    fits = spec.trainer_cls(model=toy_model_path, reward_funcs="toy_accuracy_pm1",
+                            args=make_args(spec.config_cls, max_steps=20, per_device_train_batch_size=16,
+                                           gradient_accumulation_steps=1, steps_per_generation=None,
+                                           mini_batches_per_rollout=1, warmup_steps=0),
+                            train_dataset=small_train_dataset)
+    assert fits.short_run_warnings() == []
+    ratio = spec.trainer_cls(model=toy_model_path, reward_funcs="toy_accuracy_pm1",  # a warm-up ratio (0.5 of 20)
+                             args=make_args(spec.config_cls, max_steps=20, per_device_train_batch_size=16,
+                                            gradient_accumulation_steps=1, steps_per_generation=None,
+                                            mini_batches_per_rollout=1, warmup_steps=0.5),
+                             train_dataset=small_train_dataset)
+    assert ratio.short_run_warnings() == []
