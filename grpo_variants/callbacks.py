@@ -506,7 +506,10 @@ class MFUCallback(TrainerCallback):
             return None
         mask = kwargs.get("attention_mask")
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if mask is not None:
+        packed = getattr(self.trainer, "_packed_real_tokens", None)  # padding-free: the packed rows' real tokens
+        if packed is not None:
+            self._trained_tokens = self._trained_tokens + packed
+        elif mask is not None:
             self._trained_tokens = self._trained_tokens + mask.sum()  # a tensor: no device sync per forward
         elif ids is not None:
             self._trained_tokens = self._trained_tokens + ids.numel()

@@ -346,6 +346,42 @@ def test_probe_refuses_a_model_that_attends_across_packs(toy_model_path, small_t
         _trainer("grpo", toy_model_path, small_train_dataset, tmp_path, padding_free=True)
 
 
+def test_auto_packs_a_verified_model_and_leaves_an_unsafe_one_padded_quietly(toy_model_path, small_train_dataset,
+                                                                             tmp_path, monkeypatch, caplog):
+    """padding_free="auto" (the default): on for the toy Qwen2 (the probe passes); off, with no warning and no
+    error, for a model whose mask ignores packed position_ids, which padding_free=True refuses; the same args
+    object resolves again for the next trainer; False is TRL's padded forward."""
+    import logging
+
+    import transformers.masking_utils as masking_utils
+
+    from grpo_variants import GRPOVariantTrainer
+
+    args = tiny_args(None, output_dir=str(tmp_path / "out"), per_device_train_batch_size=8)
+    assert args.padding_free == "auto"
+    trainer = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=args,
+                                 train_dataset=small_train_dataset)
+    assert trainer.args.padding_free is True and trainer.padding_free_auto
+    assert "padding_free='auto'" in trainer.announce_behaviour()
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)  # now unsafe
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        unsafe = GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy", args=args,
+                                    train_dataset=small_train_dataset)  # the same args object: resolved again
+    assert unsafe.args.padding_free is False and "attend to each other" in unsafe.padding_free_reason
+    assert not [r for r in caplog.records if "padding" in r.getMessage()]  # quiet: no warning
+    assert unsafe.announce_behaviour() is None  # TRL's padded forward: nothing differs from TRL
+    unsafe.train_dataset = small_train_dataset.select(range(8))
+    unsafe.args.max_steps = 1
+    unsafe.train()  # the padded forward trains
+    assert unsafe.state.global_step == 1
+    with pytest.raises(ConfigError, match="lets packed sequences attend to each other"):
+        GRPOVariantTrainer(model=toy_model_path, reward_funcs="toy_accuracy",
+                           args=tiny_args(None, output_dir=str(tmp_path / "o2"), per_device_train_batch_size=8,
+                                          padding_free=True), train_dataset=small_train_dataset)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the real SmolLM2-135M (slow)
 # ---------------------------------------------------------------------------------------------------------------
@@ -394,4 +430,5 @@ def test_loss_and_gradients_equal_padded_on_smollm2_all_layers(smollm2_path, sma
     nearly cancels, ~2e-4 of the global norm; the float64 comparisons above show that is rounding.)"""
     trainer = _trainer("grpo", smollm2_path, small_train_dataset, tmp_path, beta=0.0)  # no reference copy: memory
     assert trainer.model.config.num_hidden_layers == 30
+    assert trainer.args.padding_free is True and trainer.padding_free_auto  # the default "auto" packs SmolLM2
     _compare(trainer, _batch(trainer, prompt_lengths=[8] * 8), grad_rel=None, global_rel=1e-3)

@@ -71,14 +71,18 @@ TRL_LOGPS = GRPOTrainer._get_per_token_logps_and_entropies  # TRL's forward pass
 
 
 def _count_trl_passes(monkeypatch) -> list:
-    """Record every call of TRL's log-prob forward pass (the model it ran) from now on."""
+    """Record every log-prob forward pass from now on (the model it ran): TRL's padded one, or the packed one
+    that replaces it under padding_free (the default "auto" packs the toy model)."""
+    from grpo_variants.rollout.packed_forward import PaddingFreeMixin
+
     calls = []
+    forward = PaddingFreeMixin._get_per_token_logps_and_entropies  # packed, or TRL's through super()
 
     def counting(self, model, *args, **kwargs):
         calls.append(model)
-        return TRL_LOGPS(self, model, *args, **kwargs)
+        return forward(self, model, *args, **kwargs)
 
-    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counting)
+    monkeypatch.setattr(PaddingFreeMixin, "_get_per_token_logps_and_entropies", counting)
     return calls
 
 

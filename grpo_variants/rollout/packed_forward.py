@@ -88,31 +88,48 @@ def probe_packed_attention(model) -> float:
     return ((packed.float() - alone.float()).abs().max() / alone.float().abs().max().clamp(min=1e-12)).item()
 
 
+# Backbones whose packed forward the suite verifies equal to the padded one (tests/test_padding_free*.py: the toy
+# Qwen2, SmolLM2's Llama): padding_free="auto" packs them under ZeRO-3 too, where no probe forward can run at start.
+PACKING_VERIFIED_MODEL_TYPES = frozenset({"qwen2", "llama"})
+
+
 class PaddingFreeMixin:
     """``_get_per_token_logps_and_entropies`` on packed rows when ``args.padding_free`` (TRL's otherwise)."""
 
     def _check_padding_free(self) -> None:
-        """Resolve ``padding_free="auto"`` (on where the checks below pass, off otherwise) and refuse, for
-        ``padding_free=True``, what packing cannot compute exactly. One start line says which was chosen."""
-        choice = getattr(self.args, "padding_free", False)
+        """Resolve ``padding_free="auto"`` and refuse, for ``padding_free=True``, what packing cannot compute exactly.
+
+        ``"auto"`` (the default): on where every check of :meth:`_refuse_unsafe_packing` passes (the model is
+        verified at start to honour packed position_ids), off otherwise, quietly (a debug line says why). The
+        behaviour line at start names a padding-free forward when it is on (``behaviour_changes``). The resolved
+        value replaces ``args.padding_free``; ``args`` remembers it was "auto", so the same args object given to
+        another trainer (a notebook) resolves again for that model, unless the user changed the field meanwhile.
+        """
+        args = self.args
+        choice = getattr(args, "padding_free", False)
+        if getattr(args, "_padding_free_auto", None) is not None and choice is args._padding_free_auto:
+            choice = "auto"  # resolved by an earlier trainer from this args object and not changed since
+        self.padding_free_auto = choice == "auto"
         if choice == "auto":
             try:
-                self._refuse_unsafe_packing()
+                self._refuse_unsafe_packing(auto=True)
             except ConfigError as err:
-                self.args.padding_free = False
-                logger.info("padding_free=auto: off (padded forward), %s", str(err).split(": ", 1)[-1])
+                resolved = False
+                self.padding_free_reason = str(err).split(": ", 1)[-1].rstrip(".")
+                logger.debug("padding_free='auto': off (TRL's padded forward): %s", self.padding_free_reason)
             else:
-                self.args.padding_free = True
-                logger.info("padding_free=auto: on (the model honours packed position_ids)")
+                resolved = True
+                self.padding_free_reason = f"{causal_lm(self.model).config.model_type} honours packed position_ids"
+            args.padding_free = resolved
+            object.__setattr__(args, "_padding_free_auto", resolved)
             return
+        object.__setattr__(args, "_padding_free_auto", None)
+        self.padding_free_reason = None
         if choice:
             self._refuse_unsafe_packing()
-            logger.info("padding_free=True: on")
-        else:
-            logger.info("padding_free=False: off (padded forward)")
 
-    def _refuse_unsafe_packing(self) -> None:
-        """Raise a ConfigError for what packing cannot compute exactly."""
+    def _refuse_unsafe_packing(self, auto: bool = False) -> None:
+        """Raise a ConfigError for what packing cannot compute exactly (``auto``: also for what is not verified)."""
         fix = "set padding_free=False"
         lm = causal_lm(self.model)
         config = lm.config
@@ -136,6 +153,11 @@ class PaddingFreeMixin:
             raise ConfigError(f"padding_free=True needs a causal LM with a separate backbone; {type(lm).__name__} "
                               f"has none: {fix}.")
         if any(hasattr(p, "ds_id") for p in lm.parameters()):  # ZeRO-3 partitioned: no forward before wrapping
+            if auto and config.model_type not in PACKING_VERIFIED_MODEL_TYPES:
+                raise ConfigError(
+                    f"padding_free='auto': {config.model_type} is partitioned by ZeRO-3 before it can be probed and is "
+                    f"not among the verified backbones ({', '.join(sorted(PACKING_VERIFIED_MODEL_TYPES))}): set "
+                    "padding_free=True to pack it anyway.")
             return
         for name, ref in (("model", self.model), ("ref_model", getattr(self, "ref_model", None))):
             if ref is None:
@@ -176,6 +198,7 @@ class PaddingFreeMixin:
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             packed = pack(input_ids[rows], attention_mask[rows], logits_to_keep, budget=budget, pad_id=pad_id)
+            self._packed_real_tokens = packed.real_tokens  # what a forward hook should count (MFU): no tail slots
             with self.accelerator.autocast(), scored_hidden_states(backbone, packed.score_index):
                 outputs = model(
                     input_ids=packed.input_ids,
@@ -183,6 +206,7 @@ class PaddingFreeMixin:
                     shift_labels=packed.score_labels.unsqueeze(0),
                     fused_lm_head=True,
                 )
+            self._packed_real_tokens = None
             logps.append(unpack(outputs.log_probs, packed))
             if compute_entropy:
                 entropies.append(unpack(outputs.entropy, packed))
