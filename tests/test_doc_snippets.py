@@ -79,6 +79,8 @@ class Block:
 
     @property
     def tier(self) -> str:
+        if "run_by" in self.tags:
+            return "delegated"  # run as written by the named test file, which asserts more about its output
         if "gpu" in self.tags:
             return "gpu"
         if "excerpt" in self.tags:
@@ -87,15 +89,19 @@ class Block:
 
 
 def parse_tags(text: str) -> dict:
-    """``slow``, ``gpu``, ``excerpt of PATH`` (comma-separated) -> ``{"slow": True, "excerpt": "PATH"}``."""
+    """``slow``, ``gpu``, ``excerpt of PATH``, ``run by PATH`` (comma-separated) -> ``{"slow": True, "excerpt":
+    "PATH", "run_by": "PATH"}``. ``run by tests/x.py``: that test file runs the block as written (it takes the block
+    from :data:`BLOCKS` with :func:`delegated_blocks`) and checks its output, so this file does not run it again."""
     tags: dict = {}
     for part in (p.strip() for p in text.split(",")):
         if part in ("slow", "gpu"):
             tags[part] = True
         elif part.startswith("excerpt of "):
             tags["excerpt"] = part[len("excerpt of "):].strip()
+        elif part.startswith("run by "):
+            tags["run_by"] = part[len("run by "):].strip()
         else:
-            raise ValueError(f"unknown snippet tag {part!r} (known: slow, gpu, excerpt of PATH)")
+            raise ValueError(f"unknown snippet tag {part!r} (known: slow, gpu, excerpt of PATH, run by PATH)")
     return tags
 
 
@@ -154,6 +160,26 @@ def all_blocks(root: Path = ROOT) -> list[Block]:
 
 
 BLOCKS = all_blocks()
+
+
+def delegated_blocks(test_file: str) -> list[Block]:
+    """The blocks tagged ``run by <test_file>``: that file runs them (with :func:`run_shell_block`)."""
+    return [block for block in BLOCKS if block.tags.get("run_by") == test_file]
+
+
+def test_every_delegated_block_is_run_by_its_test_file():
+    """A block tagged ``run by PATH`` is skipped here: PATH must exist and take its blocks from delegated_blocks."""
+    problems = []
+    for block in BLOCKS:
+        path = block.tags.get("run_by")
+        if path is None:
+            continue
+        target = ROOT / path
+        if not target.is_file() or f'delegated_blocks("{path}")' not in target.read_text():
+            problems.append(f"{block.where}: tagged 'run by {path}', which does not call delegated_blocks(\"{path}\")")
+        if RUNNERS.get(block.language) not in ("bash", "console"):
+            problems.append(f"{block.where}: only shell blocks can be delegated")
+    assert not problems, "\n".join(problems)
 
 
 # ---------------------------------------------------------------- the convention itself
@@ -300,11 +326,15 @@ def _shell_code(block: Block) -> str:
     return "\n".join(SUITE_TARGETS.sub(r"\1make -n \2", line) for line in lines) + "\n"
 
 
-def _run_shell(block: Block, scratch: Path, timeout: int) -> None:
+def _run_shell(block: Block, scratch: Path, timeout: int) -> str:
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", _shell_code(block)], cwd=scratch,
                             env=_env(scratch), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (f"the {block.language} block at {block.where} exited {result.returncode}:\n"
                                     f"{result.stdout[-6000:]}\n{result.stderr[-6000:]}")
+    return result.stdout + result.stderr
+
+
+run_shell_block = _run_shell  # for test files that run their delegated blocks: (block, scratch, timeout) -> output
 
 
 def _known_failure(block: Block):

@@ -40,7 +40,7 @@ def runs(toy_model_path, tmp_path_factory):
                               ",".join(f"{v}@padfree" for v in VARIANTS), "--workdir", str(root / "zero3"),
                               "--out", str(root / "zero3.json")), root / "zero3.log")
     single = _start([sys.executable, str(WORKER), "compare", "--model", toy_model_path, "--variants",
-                     ",".join(VARIANTS), "--workdir", str(root / "single"), "--out", str(root / "single.json")],
+                     ",".join(f"{v}@padded" for v in VARIANTS), "--workdir", str(root / "single"), "--out", str(root / "single.json")],
                     root / "single.log")
     _wait(single, root / "single.log", "the single-process padded reference run")
     _wait(zero3, root / "zero3.log", "the 2-process ZeRO-3 padding-free launch")
@@ -50,7 +50,7 @@ def runs(toy_model_path, tmp_path_factory):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_zero3_padding_free_matches_padded_single_process(variant, runs, toy_model_path):
     single, zero3 = runs
-    ref, got = single[variant], zero3[f"{variant}@padfree"]
+    ref, got = single[f"{variant}@padded"], zero3[f"{variant}@padfree"]
     assert ref["num_processes"] == 1 and not ref["deepspeed"]
     assert got["num_processes"] == 2 and got["deepspeed"] and got["zero_stage"] == 3
     assert got["shards"]["zero3"] and got["global_step"] == ref["global_step"] >= 3

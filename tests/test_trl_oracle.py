@@ -44,14 +44,16 @@ def _reward(prompts, completions, **kwargs):
     return [float(len(c) % 3) for c in completions]
 
 
-def _pair(tmp_path, model_path, dataset, case, behaviour_logprobs="recompute", **extra):
+def _pair(tmp_path, model_path, dataset, case, behaviour_logprobs="recompute", padding_free=False, **extra):
     """Our trainer and stock TRL on the same config. Ours recomputes the behaviour log-probs with TRL's
-    forward pass unless told otherwise (recording them in generate agrees only to rounding)."""
+    forward pass and runs TRL's padded forward unless told otherwise (recording the log-probs in generate, and
+    the packed forward that padding_free="auto" picks for the toy model, agree with TRL only to rounding)."""
     values = {**COMMON, **CASES[case], **extra}
     ours = GRPOVariantTrainer(
         model=model_path,
         reward_funcs=_reward,
-        args=GRPOVariantConfig(output_dir=str(tmp_path / "ours"), behaviour_logprobs=behaviour_logprobs, **values),
+        args=GRPOVariantConfig(output_dir=str(tmp_path / "ours"), behaviour_logprobs=behaviour_logprobs,
+                               padding_free=padding_free, **values),
         train_dataset=dataset,
     )
     stock = GRPOTrainer(
@@ -149,6 +151,26 @@ def test_training_trajectory_equals_trl(tmp_path, toy_model_path, small_train_da
     torch.testing.assert_close(torch.tensor(ours_losses), torch.tensor(trl_losses), atol=1e-6, rtol=1e-5)
     for (name, a), (_, b) in zip(ours.model.named_parameters(), stock.model.named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_default_padding_free_tracks_trl(tmp_path, toy_model_path, small_train_dataset):
+    """With our defaults (padding_free="auto" packs the toy model) three real optimizer steps stay within
+    rounding of stock TRL's padded trajectory; padding_free=False above is TRL's to 1e-6."""
+    ours, stock = _pair(tmp_path, toy_model_path, small_train_dataset, "grpo", padding_free="auto", max_steps=3,
+                        gradient_accumulation_steps=2, steps_per_generation=4)
+    assert ours.args.padding_free is True
+    from transformers import set_seed
+
+    set_seed(0)
+    ours.train()
+    set_seed(0)
+    stock.train()
+    assert any("padding_free/slot_ratio" in r for r in ours.state.log_history)
+    ours_losses = [r["loss"] for r in ours.state.log_history if "loss" in r]
+    trl_losses = [r["loss"] for r in stock.state.log_history if "loss" in r]
+    torch.testing.assert_close(torch.tensor(ours_losses), torch.tensor(trl_losses), atol=1e-5, rtol=1e-4)
+    worst = max((a - b).abs().max().item() for a, b in zip(ours.model.parameters(), stock.model.parameters()))
+    assert worst < 1e-4, worst
 
 
 def test_recorded_behaviour_logprobs_track_trl(tmp_path, toy_model_path, small_train_dataset):

@@ -93,7 +93,9 @@ def test_reward_sees_trl_batch_and_group_reward_equals_trl(tmp_path, toy_model_p
     trl_fn, trl_calls = _recorder()
     ours = GRPOVariantTrainer(
         model=toy_model_path, reward_funcs=ours_fn, train_dataset=small_train_dataset,
-        args=GRPOVariantConfig(output_dir=str(tmp_path / "ours"), behaviour_logprobs="recompute", **COMMON),
+        # TRL's padded forward and recomputed log-probs: the second rollout then samples from bit-identical weights
+        args=GRPOVariantConfig(output_dir=str(tmp_path / "ours"), behaviour_logprobs="recompute", padding_free=False,
+                               **COMMON),
     )
     stock = GRPOTrainer(
         model=toy_model_path, reward_funcs=trl_fn, train_dataset=small_train_dataset,

@@ -1,14 +1,14 @@
 """The documented ZeRO-3 launches with the held-out evaluation on, as a user types them (2 CPU processes, gloo).
 
-``recipes/README.md`` documents ``DS_ACCELERATOR=cpu accelerate launch --config_file
-recipes/accelerate/zero3.yaml --num_processes 2 recipes/grpo_qwen.py --toy``; the same holds for ``dapo_qwen32b.py --toy`` and for
-``grpo-variants train --model toy`` under ZeRO-3. Each evaluates held-out accuracy outside the trainer's
-own generation path: on a ZeRO-3 model that needs the partitions gathered first
+``recipes/README.md``'s ZeRO-3 CPU block (``DS_ACCELERATOR=cpu accelerate launch --config_file
+recipes/accelerate/zero3.yaml --num_processes 2 recipes/grpo_qwen.py --toy ...`` and ``... -m grpo_variants.cli
+train --model toy ...``) is run here as written (tagged ``run by tests/test_zero3_launch.py``, so the doc-snippet
+test does not launch it a second time); ``dapo_qwen32b.py --toy`` is launched with shortening flags the recipe
+offers (``--max_steps 2``, ``--eval_samples 1``). Each evaluates held-out accuracy outside the trainer's own
+generation path: on a ZeRO-3 model that needs the partitions gathered first
 (``grpo_variants.runtime.distributed.gathered_copy``), else HF ``generate`` fails with "'weight' must be 2-D".
-What must hold: every launch exits 0, prints the before / after accuracy rows, and no FutureWarning or
-DeepSpeed "Setting accelerator to CPU" line. The launches are
-shortened with flags the recipes and the CLI offer (``--max_steps 2``, a 32-problem ``--eval_dataset``,
-``--eval_samples 1``); the code path is the documented one.
+What must hold: every launch exits 0, prints the before / after accuracy rows, saves the model, and prints no
+FutureWarning or DeepSpeed "Setting accelerator to CPU" line.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_doc_snippets import delegated_blocks, run_shell_block, scratch  # noqa: F401  (scratch: the fixture)
 from test_zero3 import _env as _zero3_env
 from test_zero3 import _free_port
 
@@ -59,26 +60,25 @@ def _launch(tmp_path: Path, *target: str) -> str:
     return text
 
 
-def test_grpo_recipe_under_zero3_evaluates_before_and_after(tmp_path):
-    out = _launch(tmp_path, "recipes/grpo_qwen.py", "--toy", "--max_steps", "2", "--output_dir", str(tmp_path / "o"))
+def test_documented_zero3_launches_evaluate_before_and_after(scratch):
+    """recipes/README.md's ZeRO-3 CPU block, run as written (the doc-snippet test leaves it to this file): the
+    grpo recipe and the command line under ZeRO-3, each with its held-out evaluation before and after, a saved
+    model, and a readable console."""
+    (block,) = delegated_blocks("tests/test_zero3_launch.py")
+    assert "recipes/grpo_qwen.py --toy" in block.code and "-m grpo_variants.cli train --model toy" in block.code
+    out = run_shell_block(block, scratch, timeout=2 * LAUNCH_TIMEOUT)
+    assert "must be 2-D" not in out
+    assert "FutureWarning" not in out and "Setting accelerator to CPU" not in out, out[-4000:]
     assert "[grpo] held-out accuracy before:" in out and "[grpo] held-out accuracy after:" in out
-    assert (tmp_path / "o" / "model.safetensors").exists()
+    assert (scratch / "outputs" / "toy" / "grpo" / "model.safetensors").exists()
+    assert "held-out greedy accuracy" in out  # the CLI summary's before / after row
+    assert (scratch / "outputs" / "toy" / "cli_zero3" / "model.safetensors").exists()
 
 
 def test_dapo_recipe_under_zero3_evaluates(tmp_path):
     out = _launch(tmp_path, "recipes/dapo_qwen32b.py", "--toy", "--max_steps", "2", "--eval_samples", "1",
                   "--output_dir", str(tmp_path / "o"))
     assert "[dapo] held-out accuracy after:" in out and "[dapo] toy held-out avg@1" in out
-
-
-def test_cli_train_toy_under_zero3_with_evaluation(tmp_path, toy_kit):
-    held_out = tmp_path / "heldout.jsonl"
-    toy_kit.eval_dataset.select(range(32)).to_json(str(held_out))
-    out = _launch(tmp_path, "-m", "grpo_variants.cli", "train", "--model", "toy", "--dataset", "toy", "--max_steps",
-                  "2", "--eval_dataset", str(held_out), "--eval_strategy", "steps", "--eval_steps", "2",
-                  "--output_dir", str(tmp_path / "o"))
-    assert "held-out greedy accuracy (32 problems)" in out  # the before / after row of the summary
-    assert (tmp_path / "o" / "model.safetensors").exists()
 
 
 def test_launch_tests_run_in_one_xdist_group(request):
