@@ -62,7 +62,7 @@ test-fast: setup
 
 # Portability: another warm-start seed, another torch thread count (worker gw0 on 2 threads, gw1 on 1, where the
 # tiers above run 1 thread per worker: float results differ between thread counts) and the tests in a shuffled
-# order (a new seed each run, printed in the header; GRPO_VARIANTS_TEST_SHUFFLE=<seed> reproduces it): a test
+# order (a new seed each run, printed at the end of the run; GRPO_VARIANTS_TEST_SHUFFLE=<seed> reproduces it): a test
 # that asserts one trajectory's outcome, or depends on another test's leftovers, fails here.
 SHUFFLE ?= $(shell date +%s)
 PORTABLE_THREADS ?= 2,1
