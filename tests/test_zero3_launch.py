@@ -83,8 +83,9 @@ def test_dapo_recipe_under_zero3_evaluates(tmp_path):
 
 def test_launch_tests_run_in_one_xdist_group(request):
     """Under `make test` (xdist --dist loadgroup) every test of this module is in the "multiprocess" group, so no
-    two 2-rank launches share the 2 cores and module fixtures run once (tests/conftest.py's hook must run before
-    xdist reads the marker: it once ran after, and launches ran side by side on both workers)."""
+    two 2-rank launches share the 2 cores and module fixtures run once. With pytest 9.2 and xdist 3.8 the group was
+    silently ignored (xdist renames Node._nodeid, pytest 9.2 reads Node._id) and launches ran side by side on both
+    workers; the dev extra pins pytest<9.2 until xdist follows."""
     assert request.node.get_closest_marker("xdist_group").args[0] == "multiprocess"
     if getattr(request.config.option, "loadgroup", False):  # an xdist worker of a loadgroup run
         assert request.node.nodeid.endswith("@multiprocess"), request.node.nodeid
