@@ -260,7 +260,7 @@ CASES = {
     # it also trains with TRL's padded forward (padding_free="auto" packs the toy model in every other case), so the
     # padded training path under ZeRO-3 stays covered; packed and padded agree to float rounding
     "nogather": dict(ds3_gather_for_generation=False, padding_free=False),
-    # padding-free packed training forward (tests/test_padding_free_zero3.py compares it with the padded reference)
+    # padding-free packed training forward (tests/test_zero3.py compares it with the padded reference)
     "padfree": dict(padding_free=True),
     # TRL's padded forward (padding_free="auto", the default, packs the toy model): the padded reference
     "padded": dict(padding_free=False),

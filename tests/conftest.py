@@ -195,7 +195,7 @@ def _run_setting_lines() -> list[str]:
 
 # Modules whose tests (or module fixtures) launch 2-rank trainings: their module fixtures then run once, on one
 # worker, and no two launches oversubscribe the 2 cores side by side.
-MULTIPROCESS_MODULES = {"test_zero3", "test_zero3_launch", "test_padding_free_zero3"}
+MULTIPROCESS_MODULES = {"test_zero3", "test_zero3_launch"}
 
 
 def _launches_processes(item) -> bool:

@@ -24,6 +24,8 @@ at collection time, so a new variant is covered without touching this file):
   ranks stepping through ``generate`` in lock-step) and TRL's padded training forward
   (``padding_free=False``; the default "auto" packs the toy model in the other cases), checked for GRPO
   (``grpo@nogather``);
+* padding-free under ZeRO-3 equals TRL's padded forward in one process: GRPO with ``padding_free=True`` and
+  µ-GRPO under "auto" against their ``@padded`` single-process runs (same launches, same tolerances);
 * save -> kill (``os._exit`` right after the checkpoint) -> resume in fresh processes continues
   with the same losses and parameters as the uninterrupted run (real sampling, DAPO).
 
@@ -57,6 +59,11 @@ ZERO3_YAML = REPO / "recipes" / "accelerate" / "zero3.yaml"
 VARIANTS = ["base", *(spec.name for spec in list_variants())]
 # extra ZeRO-3 cases, compared with the reference run of their variant (see _zero3_worker.CASES)
 EXTRA_CASES = {"grpo@nogather": "grpo"} if "grpo" in VARIANTS else {}
+# padding-free under ZeRO-3 against TRL's padded single-process forward: ZeRO-3 case -> single-process case.
+# GRPO (beta > 0: a partitioned reference model) with padding_free=True as asked, µ-GRPO (stage rollouts,
+# recomputed behaviour log-probs) under the default "auto", which packs it (asserted above). Same launches as the
+# other cases: the padded references run in the single process, "grpo@padfree" in the ZeRO-3 launch.
+PADFREE_PAIRS = {f"{v}@padfree" if v == "grpo" else v: f"{v}@padded" for v in ("grpo", "mu_grpo") if v in VARIANTS}
 LAUNCH_TIMEOUT = 600
 
 LOSS_REL, LOSS_ABS = 1e-4, 1e-5
@@ -113,8 +120,9 @@ def compare_runs(toy_model_path, tmp_path_factory):
     """One 2-process ZeRO-3 launch over every variant and one single-process reference, run side by side."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'grpo-variants[deepspeed]')")
     root = tmp_path_factory.mktemp("zero3")
-    common = ["compare", "--model", toy_model_path, "--variants", ",".join(VARIANTS)]
-    zero3 = _start(_zero3_cmd("compare", "--model", toy_model_path, "--variants", ",".join([*VARIANTS, *EXTRA_CASES]),
+    zero3_cases = [*VARIANTS, *EXTRA_CASES, *(case for case in PADFREE_PAIRS if case not in VARIANTS)]
+    common = ["compare", "--model", toy_model_path, "--variants", ",".join([*VARIANTS, *PADFREE_PAIRS.values()])]
+    zero3 = _start(_zero3_cmd("compare", "--model", toy_model_path, "--variants", ",".join(zero3_cases),
                               "--workdir", str(root / "zero3"), "--out", str(root / "zero3.json")),
                    root / "zero3.log")
     single = _start([sys.executable, str(WORKER), *common, "--workdir", str(root / "single"),
@@ -189,6 +197,25 @@ def test_zero3_partitions_and_matches_single_process(variant, compare_runs, toy_
         f"{variant}: parameter update under ZeRO-3 differs from the single-process one by {diff:.3g} "
         f"(||update|| = {norm:.3g}, tolerance {UPDATE_REL} relative)"
     )
+
+
+@pytest.mark.parametrize("case", PADFREE_PAIRS)
+def test_zero3_padding_free_matches_padded_single_process(case, compare_runs, toy_model_path):
+    """padding_free under ZeRO-3 on 2 processes equals TRL's padded forward in one process: same global batch,
+    seed and (fixed) samples; losses, gradient norms and the parameter update within the tolerances above."""
+    single, zero3 = compare_runs
+    ref, got = single[PADFREE_PAIRS[case]], zero3[case]
+    assert ref["num_processes"] == 1 and not ref["deepspeed"]
+    assert got["num_processes"] == 2 and got["deepspeed"] and got["zero_stage"] == 3
+    assert got["shards"]["zero3"] and got["global_step"] == ref["global_step"] >= 3
+    if "ref_model_zero3" in got["shards"]:
+        assert got["shards"]["ref_model_zero3"]
+    assert any(g > 0 for g in ref["grad_norm"])
+    assert got["padding_free_steps"] == got["global_step"] and ref["padding_free_steps"] == 0  # packed vs padded
+    _assert_close_series(f"{case} loss", ref["loss"], got["loss"], LOSS_REL, LOSS_ABS)
+    _assert_close_series(f"{case} grad_norm", ref["grad_norm"], got["grad_norm"], GRAD_NORM_REL)
+    diff, norm = _update_difference(_initial_params(toy_model_path), ref["params_file"], got["params_file"])
+    assert norm > 0 and diff <= UPDATE_REL * norm, (diff, norm)
 
 
 RESUME_VARIANT = "dapo" if "dapo" in VARIANTS else "grpo"
