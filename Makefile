@@ -9,10 +9,11 @@ TORCH_CPU ?= torch==2.13.0
 # The suite runs on WORKERS pytest-xdist workers (2: one per core of the reference machine), each with one
 # torch thread, so two tests run side by side instead of one test on two threads. --dist loadgroup keeps the
 # tests of one xdist_group (multi-process launches that would oversubscribe the cores) on one worker.
-# Every tier prints its slowest tests (--durations) and each worker's peak memory (tests/conftest.py).
+# Every tier prints its slowest tests (--durations) and each worker's peak memory (tests/conftest.py), and builds the
+# caches its tests need (toy policies, SmolLM2) side by side before the workers start (GRPO_VARIANTS_PREBUILD).
 WORKERS ?= 2
 THREADS ?= 1
-PYTEST = OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
+PYTEST = OMP_NUM_THREADS=$(THREADS) GRPO_VARIANTS_PREBUILD=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 # PYTEST_ARGS: extra pytest options for any tier, e.g. PYTEST_ARGS="--junitxml=durations.xml" (every test's time)
 
 # test-portable: the fast tests under another numeric setting, another toy warm-start seed

@@ -178,6 +178,58 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
 
 
+# Caches the tiers build on a fresh clone, built side by side (one process per core) before the workers start
+# (``$GRPO_VARIANTS_PREBUILD``, set by the Makefile's tiers): otherwise the first tests of both workers wait on the
+# same build lock, one core idle, and the chat-format policy or SmolLM2 is built later by one worker while the other
+# waits for it. Each build is the one the tests would run (same functions, same cache entry, same seed); a failed
+# build is only reported here: the tests that need it then fail (or skip) with their own message.
+PREBUILD_ENV = "GRPO_VARIANTS_PREBUILD"
+_PREBUILDS = {
+    "toy policy": "from grpo_variants.tasks import toy; toy.prepare(verbose=False)",
+    "toy chat-format policy": "from grpo_variants.tasks import toy; toy.prepare(conversational=True, verbose=False)",
+    "SmolLM2-135M": "from grpo_variants.tasks.models import smollm2; smollm2(verbose=False)",  # slow tiers only
+}
+_PREBUILD_LINES: list[str] = []
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist starts its workers
+def pytest_sessionstart(session):
+    config = session.config
+    if not os.environ.get(PREBUILD_ENV) or hasattr(config, "workerinput"):
+        return
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    names = [name for name in _PREBUILDS if name != "SmolLM2-135M" or "not slow" not in (config.option.markexpr or "")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                                           os.environ.get("PYTHONPATH")]))}
+    started = time.monotonic()
+    procs = {}
+    for name in names:
+        log = tempfile.TemporaryFile(mode="w+")
+        procs[name] = (subprocess.Popen([sys.executable, "-c", _PREBUILDS[name]], env=env, stdout=log,
+                                        stderr=subprocess.STDOUT, text=True), log)
+    took: dict = {}
+    while len(took) < len(procs):
+        for name, (proc, _) in procs.items():
+            if name not in took and proc.poll() is not None:
+                took[name] = time.monotonic() - started
+        time.sleep(0.2)
+    parts = []
+    for name, (proc, log) in procs.items():
+        if proc.returncode == 0:
+            parts.append(f"{name} {took[name]:.0f} s")
+        else:
+            log.seek(0)
+            parts.append(f"{name} FAILED (exit {proc.returncode})")
+            _PREBUILD_LINES.append(f"prebuild of the {name} failed:\n" + "\n".join(log.read().splitlines()[-15:]))
+        log.close()
+    _PREBUILD_LINES.insert(0, f"caches ready before the tests ({PREBUILD_ENV}=1, side by side, "
+                              f"{time.monotonic() - started:.0f} s): " + ", ".join(parts))
+
+
 def pytest_report_header(config):
     return _run_setting_lines()
 
@@ -252,5 +304,5 @@ def pytest_terminal_summary(terminalreporter):
     worst = max(value for value, _ in peaks.values()) / 2**30
     verdict = "within" if worst <= MEMORY_LIMIT_GB else "ABOVE"
     terminalreporter.write_line(f"peak RSS per pytest process: {parts} ({verdict} the {MEMORY_LIMIT_GB:.0f} GB limit)")
-    for line in _run_setting_lines():
+    for line in _PREBUILD_LINES + _run_setting_lines():
         terminalreporter.write_line(line)
