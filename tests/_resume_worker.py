@@ -8,6 +8,9 @@
 * ``--hang-after-save K`` writes ``OUT/hang.marker`` once checkpoint-K has been saved (after the
   trainer's save, i.e. after the atomic rename) and sleeps: the test SIGKILLs the process.
 * ``--resume`` resumes from the newest complete checkpoint in OUT (``resume_from_checkpoint=True``).
+  With ``--variants a,b,...`` (and ``--out ROOT``) it resumes each variant's run in ROOT/<variant>/run, one
+  after the other in this one process (tests/test_resume.py: one interpreter start for all the resumes); a
+  variant whose resume raises writes ROOT/<variant>/run/resume_error.txt and the next one runs.
 * ``--marker-at-step N`` writes ``OUT/step.marker`` at the end of optimizer step N and holds
   that step's end until a signal has arrived (the signal test then sends SIGTERM), so the signal
   lands at a known step. ``--slow-reward S`` sleeps S seconds in every reward call.
@@ -148,6 +151,20 @@ def train_once(opts, out: Path, hooks: bool, resume: bool) -> dict:
     return result
 
 
+def resume_each(opts) -> int:
+    """``--resume --variants a,b,...``: resume every variant's killed run under ``--out`` in this process."""
+    import traceback
+
+    assert opts.resume, "--variants resumes killed runs: pass --resume"
+    for variant in opts.variants.split(","):
+        out = Path(opts.out) / variant / "run"
+        try:
+            train_once(argparse.Namespace(**{**vars(opts), "variant": variant}), out, hooks=True, resume=True)
+        except Exception:
+            (out / "resume_error.txt").write_text(traceback.format_exc())
+    return 0
+
+
 def _with_nan_loss(trainer_cls, step: int, rank: int):
     """The loss *value* becomes NaN at optimizer step ``step`` (1-based) on process ``rank`` only; the gradient
     stays finite, so only the all-reduced loss flag makes every process skip that update together."""
@@ -178,8 +195,11 @@ def main(argv=None):
     parser.add_argument("--nan-at-step", type=int, default=0, help="NaN loss value at this step (1-based)")
     parser.add_argument("--nan-rank", type=int, default=0, help="... on this process only")
     parser.add_argument("--extra", default="", help="JSON dict of extra config fields")
+    parser.add_argument("--variants", default="", help="with --resume: resume ROOT/<variant>/run for each")
     opts = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if opts.variants:
+        return resume_each(opts)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     # the test kills every rank by pid (torchrun starts its workers in their own process groups)
