@@ -6,7 +6,8 @@
 * :func:`serve_tests` runs in the **reference process**, which never holds the program: for each test
   file it forks a child that runs the file as Python, unmodified, with every name of the program bound
   to a :class:`Remote` stub. A stub sends the call's arguments and gets back the return value and the
-  arguments' values after the call (copied back in place). A non-plain value comes back as a handle
+  arguments' values after the call (copied back in place). Instances of the test file's plain classes
+  cross as an object graph (:class:`Graph`) both ways. Any other non-plain value comes back as a handle
   (another :class:`Remote`): calls, attribute reads, iteration, ``len``, ``bool`` and ``str`` go to the
   program; comparison, hashing and containment never do (they would ship the other side) and fail the
   test.

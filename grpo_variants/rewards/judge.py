@@ -8,7 +8,11 @@ there to a stub. Calling a stub sends the call's **arguments, as values**, to th
 arguments' values after the call, copied back in place. Nothing else ever crosses: not the tests'
 namespace, not a container an argument came from, not the other side of a comparison. Python decides
 every assert, ``except``, ``match``, ``global``, star import, chained comparison and unittest case,
-because Python runs them. A value of the program that is not plain data comes back as a *handle*
+because Python runs them. An argument that is an instance of a plain class of the test file (a
+``ListNode``, a ``TreeNode``) crosses as the object graph it reaches (:class:`harness.Graph`), is rebuilt
+as the program's class of that name and copied back in place; the program's instances of a class the
+test file defines come back the same way, as the test's class. Any other value of the program that is
+not plain data comes back as a *handle*
 whose method calls and attribute reads go to the program; comparing, hashing or searching a handle is
 never forwarded (it would ship the other side to the program) and fails the test.
 
@@ -29,7 +33,8 @@ Test formats (the dataset's ``tests`` column; one sample's tests are a list of i
   output up to trailing whitespace on each line and trailing blank lines.
 
 Refused (*unsupported*, handled by the reward's ``on_unsupported``): a test that passes the program
-something that is not data (a function or an object of the tests), an item that does not parse.
+something that is not data (a function, an object of the tests whose class is not plain), an item that
+does not parse.
 """
 
 from __future__ import annotations
