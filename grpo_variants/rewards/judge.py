@@ -55,7 +55,7 @@ from grpo_variants.rewards.sandbox import Channel, SandboxResult, run_in_sandbox
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parse_tests", "Tests", "StdioCase", "stdout_matches", "ReferenceServer", "Session", "run_session",
+__all__ = ["parse_tests", "Tests", "StdioCase", "stdout_matches", "ReferenceServer", "Session", "Program", "run_session",
            "program_script", "REFERENCE_SCRIPT", "warn_once"]
 
 _HARNESS = Path(harness.__file__).read_text()
@@ -199,24 +199,38 @@ def _manifest_ok(line: bytes) -> bool:
     return isinstance(m, dict) and isinstance(m.get("program"), str) and isinstance(m.get("names"), dict)
 
 
-def run_session(program: str, source: str, ref: ReferenceServer, *, run_options: dict, budget: float,
+class Program:
+    """A program's sandbox, launched now (its start-up overlaps the tests' process's); it ends by
+    ``ceiling`` seconds after its launch whatever happens."""
+
+    def __init__(self, program: str, run_options: dict, test_timeout: float, ceiling: float):
+        self.ch = Channel()
+        self.box: dict = {}
+        opts = {**run_options, "timeout": ceiling + 0.5}
+        script = program_script(program, test_timeout)
+        self.thread = threading.Thread(target=lambda: self.box.update(r=run_in_sandbox(script, channel=self.ch, **opts)),
+                                       daemon=True, name="grpo-judge-program")
+        self.t0 = time.monotonic()
+        self.end = self.t0 + ceiling
+        self.thread.start()
+
+    def close(self) -> SandboxResult | None:
+        self.ch.finish()
+        self.thread.join(timeout=max(1.0, self.end - time.monotonic()) + 5)
+        return self.box.get("r")
+
+
+def run_session(program: "str | Program", source: str, ref: ReferenceServer, *, run_options: dict, budget: float,
                 test_timeout: float, ceiling: float) -> Session:
-    """Run ``source`` (a test file) in ``ref`` against ``program`` in a fresh sandbox, relaying each line.
+    """Run ``source`` (a test file) in ``ref`` against ``program`` (launched here if a str), relaying each line.
 
-    The program is charged its start-up and the time it takes to answer (``budget`` in all); the whole
-    session ends by ``ceiling`` seconds whatever either side does. Every wait here has a deadline."""
+    The program is charged its start-up (from its launch to its first line) and the time it takes to answer
+    (``budget`` in all); the whole session ends by ``ceiling`` seconds after the program's launch whatever
+    either side does. Every wait here has a deadline."""
     s = Session()
-    ch = Channel()
-    box: dict = {}
-    opts = {**run_options, "timeout": ceiling + 0.5}
-
-    def run():
-        box["r"] = run_in_sandbox(program_script(program, test_timeout), channel=ch, **opts)
-
-    thread = threading.Thread(target=run, daemon=True, name="grpo-judge-program")
-    t0 = time.monotonic()
-    end = t0 + ceiling
-    thread.start()
+    if isinstance(program, str):
+        program = Program(program, run_options, test_timeout, ceiling)
+    ch, t0, end = program.ch, program.t0, program.end
 
     def charge(deadline_of_answer):
         return min(end, time.monotonic() + max(0.0, budget - s.program_seconds)) if deadline_of_answer else end
@@ -230,9 +244,9 @@ def run_session(program: str, source: str, ref: ReferenceServer, *, run_options:
 
     manifest = None
 
-    def ready() -> bytes:  # the program's manifest: its start-up is charged from t0, while the tests' run forks
+    def ready() -> bytes:  # the program's manifest: its start-up, from its launch to its first line, is charged
         line = ch.readline(min(end, t0 + budget))
-        spent(t0)
+        s.program_seconds += min(time.monotonic(), ch.first_line_at or time.monotonic()) - t0
         if line is None or not _manifest_ok(line):
             lose("spent its time budget before it was ready" if s.program_seconds >= budget - 1e-3 else
                  "sent no result (it crashed, was killed or garbled its result stream)")
@@ -283,9 +297,7 @@ def run_session(program: str, source: str, ref: ReferenceServer, *, run_options:
                     s.reference_failed = "the tests' process crashed (%s)" % body[:80].decode(errors="replace")
                 break
     finally:
-        ch.finish()
-        thread.join(timeout=max(1.0, end - time.monotonic()) + 5)
-        s.result = box.get("r")
+        s.result = program.close()
         if s.reference_failed is not None:
             ref.close("reference_failed")
     return s
@@ -293,16 +305,24 @@ def run_session(program: str, source: str, ref: ReferenceServer, *, run_options:
 
 class ReferencePool:
     """The tests' processes of one reward call: ``n`` servers, each serving one session at a time; a server
-    that failed is replaced (started afresh) by the next session that needs one."""
+    that failed is replaced (started afresh) by the next session that needs one. They start at once;
+    :meth:`wait_ready` (called by the first :meth:`take`) waits ``ready_within`` at most from then."""
 
     def __init__(self, n: int, run_options: dict, lifetime: float, ready_within: float):
         self.run_options, self.lifetime, self.ready_within = run_options, lifetime, ready_within
         self.free: queue.Queue = queue.Queue()
         self.all = [ReferenceServer(run_options, lifetime) for _ in range(n)]
-        deadline = time.monotonic() + ready_within
-        for r in self.all:
-            r.wait_ready(deadline)
-            self.free.put(r)
+        self._deadline = time.monotonic() + ready_within
+        self._lock = threading.Lock()
+        self._waited = False
+
+    def wait_ready(self) -> None:
+        with self._lock:
+            if not self._waited:
+                self._waited = True
+                for r in self.all:
+                    r.wait_ready(self._deadline)
+                    self.free.put(r)
 
     @property
     def startup(self) -> float | None:
@@ -310,6 +330,7 @@ class ReferencePool:
         return min(times) if times else None
 
     def take(self) -> ReferenceServer | None:
+        self.wait_ready()
         r = self.free.get()
         if r.broken:
             r = ReferenceServer(self.run_options, self.lifetime)
