@@ -55,8 +55,8 @@ from grpo_variants.rewards.sandbox import Channel, SandboxResult, run_in_sandbox
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parse_tests", "Tests", "StdioCase", "stdout_matches", "ReferenceServer", "Session", "Program", "run_session",
-           "program_script", "REFERENCE_SCRIPT", "warn_once"]
+__all__ = ["parse_tests", "Tests", "StdioCase", "stdout_matches", "ReferenceServer", "Session", "Program",
+           "run_session", "program_script", "REFERENCE_SCRIPT", "warn_once"]
 
 _HARNESS = Path(harness.__file__).read_text()
 REFERENCE_SCRIPT = _HARNESS + "\nserve_tests()\n"
@@ -208,8 +208,11 @@ class Program:
         self.box: dict = {}
         opts = {**run_options, "timeout": ceiling + 0.5}
         script = program_script(program, test_timeout)
-        self.thread = threading.Thread(target=lambda: self.box.update(r=run_in_sandbox(script, channel=self.ch, **opts)),
-                                       daemon=True, name="grpo-judge-program")
+
+        def run():
+            self.box["r"] = run_in_sandbox(script, channel=self.ch, **opts)
+
+        self.thread = threading.Thread(target=run, daemon=True, name="grpo-judge-program")
         self.t0 = time.monotonic()
         self.end = self.t0 + ceiling
         self.thread.start()
