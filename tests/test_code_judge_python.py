@@ -244,3 +244,12 @@ def test_the_trainer_waits_no_longer_than_the_slowest_budget_plus_1s_whatever_th
     assert ceiling(prompts=["p"], completions=[CORRECT], tests=[["import time\ntime.sleep(10)"]]) == [0.0]
     took = time.monotonic() - t
     assert took <= 2.0 + 1.0 and "ran past the timeout" in ceiling.last_reasons[0][0], (took, ceiling.last_reasons)
+    # A budget that is the whole timeout (time_factor=None) ends when the tests' time does: the tests' process
+    # still hears that the program is gone and reports it (not a failed tests' process, which was replaced).
+    whole = make_code_reward("all", time_factor=None, timeout=1.5, max_workers=2)
+    t = time.monotonic()
+    assert whole(prompts=["p"] * 2, completions=[busy, busy_at_import], tests=[["assert add(1, 2) == 3"]] * 2) == [0.0] * 2
+    took = time.monotonic() - t
+    assert took <= 1.5 + 1.0, took
+    assert all(len(r) == 1 and ("budget of 1.50 s (timeout)" in r[0] or "stopped at the timeout (1.5 s" in r[0])
+               for r in whole.last_reasons), whole.last_reasons

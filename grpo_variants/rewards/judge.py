@@ -199,6 +199,9 @@ def _manifest_ok(line: bytes) -> bool:
     return isinstance(m, dict) and isinstance(m.get("program"), str) and isinstance(m.get("names"), dict)
 
 
+GRACE = 0.5  # seconds the tests' process gets past the ceiling to report, once the program is gone
+
+
 class Program:
     """A program's sandbox, launched now (its start-up overlaps the tests' process's); it ends by
     ``ceiling`` seconds after its launch whatever happens."""
@@ -238,9 +241,14 @@ def run_session(program: "str | Program", source: str, ref: ReferenceServer, *, 
     def charge(deadline_of_answer):
         return min(end, time.monotonic() + max(0.0, budget - s.program_seconds)) if deadline_of_answer else end
 
+    # The tests' side has until ``end``; once the program is gone (its budget may end at ``end`` itself, with
+    # time_factor=None), GRACE more to hear so and report, rather than be taken for a failed tests' process.
+    tests_end = [end]
+
     def lose(why: str) -> None:
         s.gone = s.gone or why
-        ch.stop("timeout" if "budget" in why else "finished")
+        tests_end[0] = min(end + GRACE, max(end, time.monotonic() + GRACE))
+        ch.stop("timeout" if "budget" in why or "timeout" in why else "finished")
 
     def spent(start: float) -> None:
         s.program_seconds += time.monotonic() - start
@@ -257,12 +265,12 @@ def run_session(program: "str | Program", source: str, ref: ReferenceServer, *, 
         return line
 
     try:
-        if not ref.channel.write(b"N" + json.dumps([source, float(test_timeout)]).encode() + b"\n", end):
+        if not ref.channel.write(b"N" + json.dumps([source, float(test_timeout)]).encode() + b"\n", tests_end[0]):
             s.reference_failed = "the tests' process did not take the file"
         while s.reference_failed is None:
-            line = ref.channel.readline(end)
+            line = ref.channel.readline(tests_end[0])
             if line is None:
-                s.reference_failed = ("the tests ran past the timeout" if time.monotonic() >= end
+                s.reference_failed = ("the tests ran past the timeout" if time.monotonic() >= tests_end[0]
                                       else "the tests' process ended")
                 break
             kind, body = line[:1], line[1:]
@@ -283,11 +291,13 @@ def run_session(program: "str | Program", source: str, ref: ReferenceServer, *, 
                     spent(start)
                     if got is None:
                         lose(f"spent its time budget of {budget:.2f} s" if s.program_seconds >= budget - 1e-3
+                             else f"was stopped at the timeout ({ceiling:g} s after its launch)"
+                             if time.monotonic() >= end - 1e-3
                              else "stopped answering (it crashed, was killed or closed its pipe)")
                         answer = b"X" + s.gone.encode()
                     else:
                         answer = b"R" + got
-                if not ref.channel.write(answer + b"\n", end):
+                if not ref.channel.write(answer + b"\n", tests_end[0]):
                     s.reference_failed = "the tests' process stopped reading"
             elif kind == b"U":
                 try:
