@@ -667,9 +667,14 @@ class CodeReward(_NamedReward):
         used = 0.0
         prog = judge.Program(program, self.sandbox_options, self.test_timeout, ceiling) if t.source is not None \
             else None
-        budget = budget_of()
+        try:
+            budget = budget_of()
+            ref = refs.take() if prog is not None else None
+        except BaseException:
+            if prog is not None:
+                prog.close()
+            raise
         if prog is not None:
-            ref = refs.take()
             if ref is None:
                 prog.close()
                 units.append(("fail", "the tests", "the reference run failed (not the program's fault)"))
