@@ -105,6 +105,7 @@ def main() -> dict:
         args.reps = 1
 
     runs: dict[str, list[dict]] = {"before": [], "after": []}
+    load_before = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="code_reward_before_") as tmp:
         before = Path(tmp)
         _checkout(args.before_ref, before)
@@ -150,6 +151,7 @@ def main() -> dict:
                          "after": round(med("after", "serial") / med("after", "pool"), 2)},
         "mix": {"passing": 40, "failing": 24, "slow_0.2s": N_PROGRAMS // 8},
         "cpu_count": os.cpu_count(),
+        "load_average_before_after": [load_before, [round(x, 2) for x in os.getloadavg()]],
         "python": platform.python_version(),
         "note": "time ratio after/before (below 1: faster); CPU seconds = the scoring process plus every reaped "
                 "descendant; shared machine, timings noisy, compare the ratios",
@@ -167,7 +169,8 @@ def main() -> dict:
         "`CodeReward(\"all\")`, "
         f"serially and through the default pool ({result['pool_workers']} workers), by the tree at "
         f"`{args.before_ref}` (before) and the current one (after), alternating, {args.reps} repetitions, medians. "
-        f"{os.cpu_count()} CPU cores (shared).",
+        f"{os.cpu_count()} CPU cores (shared; load average {result['load_average_before_after'][0][0]:.1f} before, "
+        f"{result['load_average_before_after'][1][0]:.1f} after).",
         "",
         "| | before (s) | after (s) | after / before | CPU s before | CPU s after | CPU after / before |",
         "|---|---|---|---|---|---|---|",

@@ -1,7 +1,9 @@
 """Issue #37: for random test files in the supported styles, the judge's verdict is Python's verdict.
 
-Python's verdict is what ``python tests.py`` says (the tests importing the program's names: ``from
-program import *``) run for real in a temporary directory; the judge's is ``code_pass`` (mode "all").
+Styles: asserts, HumanEval, unittest, tables in lists, dicts and comprehensions, and a linked list of a
+node class the test file defines, sorted in place. Python's verdict is what ``python tests.py`` says (the
+tests importing the program's names: ``from program import *``) run for real in a temporary directory;
+the judge's is ``code_pass`` (mode "all").
 Twenty seeded files, each against a correct program and a program wrong on one input (which a file may
 or may not exercise), scored in one reward call."""
 
@@ -16,21 +18,25 @@ import pytest
 
 from grpo_variants.rewards import make_code_reward
 
-CORRECT = "def f(a, b):\n    return 2 * a + b\n\ndef g(xs):\n    return sorted(xs)\n"
+# h sorts a linked list's values in place (LeetCode style: the test file defines the node class).
+H = ("def h(head):\n    nodes = []\n    while head:\n        nodes.append(head)\n        head = head.next\n"
+     "    for n, v in zip(nodes, {}(n.val for n in nodes){}):\n        n.val = v\n")
+CORRECT = "def f(a, b):\n    return 2 * a + b\n\ndef g(xs):\n    return sorted(xs)\n" + H.format("sorted", "")
 
 
 def _wrong(rng: random.Random) -> str:
     k = rng.randrange(10)
     bug = rng.choice([f"    if a == {k}:\n        return 2 * a + b + 1\n",
                       f"    if a == {k}:\n        raise ValueError(a)\n"])
-    return f"def f(a, b):\n{bug}    return 2 * a + b\n\ndef g(xs):\n    return sorted(xs)[:{k % 3 + 3}]\n"
+    return (f"def f(a, b):\n{bug}    return 2 * a + b\n\ndef g(xs):\n    return sorted(xs)[:{k % 3 + 3}]\n"
+            + H.format("list", f"[::{-1 if k % 2 else 1}]"))  # reversed, or left as it is
 
 
 def _tests(rng: random.Random) -> str:
     ins = [(rng.randrange(10), rng.randrange(10)) for _ in range(rng.randint(1, 4))]
     outs = [2 * a + b for a, b in ins]
     xs = [rng.randrange(100) for _ in range(rng.randint(1, 6))]
-    style = rng.choice(["assert", "humaneval", "unittest", "list", "dict", "comprehension"])
+    style = rng.choice(["assert", "humaneval", "unittest", "list", "dict", "comprehension", "nodes"])
     if style == "assert":
         body = "".join(f"assert f({a}, {b}) == {e}\n" for (a, b), e in zip(ins, outs))
         return body + f"xs = {xs}\nassert g(xs) == sorted(xs)\n"
@@ -49,6 +55,12 @@ def _tests(rng: random.Random) -> str:
     if style == "dict":
         table = {(a, b): e for (a, b), e in zip(ins, outs)}
         return f"table = {table}\nassert all(f(*k) == v for k, v in table.items())\n"
+    if style == "nodes":
+        return ("class ListNode:\n    def __init__(self, val, next=None):\n        self.val, self.next = val, next\n"
+                "def build(xs):\n    head = None\n    for x in reversed(xs):\n        head = ListNode(x, head)\n"
+                "    return head\ndef values(head):\n    out = []\n    while head:\n        out.append(head.val)\n"
+                f"        head = head.next\n    return out\nhead = build({xs})\nh(head)\n"
+                f"assert values(head) == {sorted(xs)}\n")
     return f"ins = {ins}\nouts = {outs}\nassert [f(a, b) for a, b in ins] == outs\n"
 
 

@@ -216,19 +216,40 @@ def test_partial_credit_per_test_and_what_is_refused():
     assert skip(prompts=["p"], completions=[CORRECT], tests=[refused]) == [1.0]
 
 
-def test_the_trainer_waits_no_longer_than_the_budget_whatever_the_program_does():
-    stall_in_call = ("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
-                     "def add(a, b):\n    while True:\n        pass\n")
-    sleep_in_call = "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\ndef add(a, b):\n" \
-                    "    time.sleep(60)\n"
-    stall_at_import = "while True:\n    pass\n"
+def test_the_trainer_waits_no_longer_than_the_slowest_budget_plus_1s_whatever_the_program_does():
+    """The bound of a reward call (its completions fit in the workers): the slowest completion's budget
+    (``max(last_budgets)``, the program's own-time limit) plus 1 s, whatever the programs do. Each program's
+    sandbox starts beside the tests' processes and is killed once its budget is spent; the 1 s is what is
+    left: the kill and the sandboxes' teardown (0.2-0.35 s measured at load average 3-8 on 2 cores). No
+    slack for load beyond it: the budgets are multiples of a sandbox start-up measured in the same call, so
+    they grow with the load themselves. The tests' own time is not in the budget: a test that never ends is
+    stopped at ``timeout`` (the ceiling of everything), and the call then returns within timeout + 1 s."""
+    hang = "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\ndef add(a, b):\n    time.sleep(60)\n"
+    busy = "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\ndef add(a, b):\n    while True:\n        pass\n"
+    busy_at_import = "while True:\n    pass\n"
     closes_its_pipes = "import os\nfor fd in range(3, 64):\n    try:\n        os.close(fd)\n    except OSError:\n" \
                        "        pass\ndef add(a, b):\n    return a + b\n"
-    completions = [stall_in_call, sleep_in_call, stall_at_import, closes_its_pipes, CORRECT]
+    completions = [hang, busy, busy_at_import, closes_its_pipes, CORRECT]
     reward = make_code_reward("all", max_workers=len(completions), time_factor=2.0, min_timeout=0.5)
     t = time.monotonic()
     out = reward(prompts=["p"] * 5, completions=completions, tests=[["assert add(1, 2) == 3"]] * 5)
     took = time.monotonic() - t
     assert out == [0.0, 0.0, 0.0, 0.0, 1.0], reward.last_reasons
     budget = max(reward.last_budgets)
-    assert budget < 10.0 and took < budget * 1.5 + 1.0 + 2.0, (took, budget)  # start-up + budget + 1 s, not 10 s
+    assert budget < 10.0 and took <= budget + 1.0, (took, reward.last_budgets)
+    assert all("budget" in r[0] or "sent no result" in r[0] for r in reward.last_reasons[:3]), reward.last_reasons
+    # Tests that never end (trusted, but wrong): stopped at the 2 s timeout, not the 10 s the test asks.
+    ceiling = make_code_reward("all", timeout=2.0)
+    t = time.monotonic()
+    assert ceiling(prompts=["p"], completions=[CORRECT], tests=[["import time\ntime.sleep(10)"]]) == [0.0]
+    took = time.monotonic() - t
+    assert took <= 2.0 + 1.0 and "ran past the timeout" in ceiling.last_reasons[0][0], (took, ceiling.last_reasons)
+    # A budget that is the whole timeout (time_factor=None) ends when the tests' time does: the tests' process
+    # still hears that the program is gone and reports it (not a failed tests' process, which was replaced).
+    whole = make_code_reward("all", time_factor=None, timeout=1.5, max_workers=2)
+    t = time.monotonic()
+    assert whole(prompts=["p"] * 2, completions=[busy, busy_at_import], tests=[["assert add(1, 2) == 3"]] * 2) == [0.0] * 2
+    took = time.monotonic() - t
+    assert took <= 1.5 + 1.0, took
+    assert all(len(r) == 1 and ("budget of 1.50 s (timeout)" in r[0] or "stopped at the timeout (1.5 s" in r[0])
+               for r in whole.last_reasons), whole.last_reasons

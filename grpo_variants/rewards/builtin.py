@@ -473,8 +473,10 @@ class CodeReward(_NamedReward):
     one calibration run when there is no test code), ``n_runs`` is 1 for the test file plus one per
     stdin/stdout case. Defaults: ``time_factor=4``, ``min_timeout=0.5`` s, ``timeout=10`` s (the
     ceiling); ``time_factor=None`` gives every completion the whole ``timeout``. A program that does real
-    work beyond what a sandbox start costs needs a larger ``time_factor`` or ``None``. Whatever either
-    side does, one completion's test file ends within ``timeout`` (every wait of the relay has a deadline).
+    work beyond what a sandbox start costs needs a larger ``time_factor`` or ``None``. A program's sandbox
+    starts beside the tests' processes and is stopped once its budget is spent, so a call whose completions
+    fit in the workers returns within ``max(last_budgets)`` + 1 s when the tests' own code is quick, and
+    within ``timeout`` + 1 s whatever either side does (every wait of the relay has a deadline).
     ``last_budgets`` holds each completion's budget; a time-out reason names it. ``test_timeout`` bounds
     each call into the program (SIGALRM there) and each test's own CPU time in the tests' process. Why each
     completion lost points is in ``last_reasons``. Completions are judged in parallel in a
@@ -574,30 +576,49 @@ class CodeReward(_NamedReward):
         n_files = sum(parsed[i].source is not None for i in todo)
         ceiling = float(self.sandbox_options["timeout"])
         refs = None
-        base = None
-        if n_files:
+        if n_files:  # the tests' processes start now; the programs start beside them (each charged its own time)
             n = min(self.pool.max_workers, n_files)
             refs = judge.ReferencePool(n, self.sandbox_options, lifetime=ceiling * (n_files // n + 2) + 30,
                                        ready_within=ceiling)
-            base = refs.startup
-        elif todo and self.time_factor is not None:
-            base = self._calibrate()
-        if base is None and todo and self.time_factor is not None:
-            logger.warning("Reward '%s': no program-free run finished in this call, so each completion gets the whole "
-                           "timeout=%gs instead of %g x that run's time.", self.__name__, ceiling, self.time_factor)
-        if self._announce:
-            self._announce = False
-            logger.warning("Reward '%s': timeout=%gs is the ceiling of each completion's budget, which is %g x a "
-                           "program-free run's time (at least %g s); pass time_factor=None to give every completion "
-                           "the whole timeout.", self.__name__, ceiling, self.time_factor, self.min_timeout)
-        budgets = [self._budget(parsed[i], base) if i in todo else None for i in range(len(completions))]
+        budgets: list[float | None] = [None] * len(completions)
         self.last_budgets = budgets
+        once = threading.Lock()
+        known: list[bool] = []
+
+        def budget_of(i: int) -> float:
+            """Completion i's budget, known once the tests' processes are ready (their start-up is its base)."""
+            with once:
+                if not known:
+                    known.append(True)
+                    base = None
+                    if refs is not None:
+                        refs.wait_ready()
+                        base = refs.startup
+                    elif todo and self.time_factor is not None:
+                        base = self._calibrate()
+                    if base is None and todo and self.time_factor is not None:
+                        logger.warning("Reward '%s': no program-free run finished in this call, so each completion "
+                                       "gets the whole timeout=%gs instead of %g x that run's time.", self.__name__,
+                                       ceiling, self.time_factor)
+                    if self._announce:
+                        self._announce = False
+                        logger.warning("Reward '%s': timeout=%gs is the ceiling of each completion's budget, which "
+                                       "is %g x a program-free run's time (at least %g s); pass time_factor=None to "
+                                       "give every completion the whole timeout.", self.__name__, ceiling,
+                                       self.time_factor, self.min_timeout)
+                    for j in todo:
+                        budgets[j] = self._budget(parsed[j], base)
+            return budgets[i]
+
+        if todo and not n_files:
+            budget_of(todo[0])
         self.last_results = [None] * len(completions)
         self.last_reasons = [[] for _ in completions]
         self.last_unsupported = 0
         programs = {i: extract_code(completion_text(completions[i])) for i in todo}
         try:
-            done = self.pool.map(lambda i: self._judge_one(programs[i], parsed[i], budgets[i], refs, ceiling), todo)
+            done = self.pool.map(lambda i: self._judge_one(programs[i], parsed[i], lambda: budget_of(i), refs,
+                                                            ceiling), todo)
         finally:
             if refs is not None:
                 refs.close()
@@ -637,19 +658,29 @@ class CodeReward(_NamedReward):
                             self.on_unsupported)
         return msg
 
-    def _judge_one(self, program: str, t: "judge.Tests", budget: float, refs, ceiling: float):
+    def _judge_one(self, program: str, t: "judge.Tests", budget_of, refs, ceiling: float):
         """One completion: its test file (a session with a tests' process), then its stdin/stdout cases, all
-        in one budget of the program's own time. Returns ``(units, results)``."""
+        in one budget of the program's own time (``budget_of()``). Returns ``(units, results)``. The program's
+        sandbox is launched first, so that its start-up overlaps the tests' process's."""
         units: list[tuple[str, str, str]] = []
         results: list[SandboxResult] = []
         used = 0.0
-        if t.source is not None:
-            ref = refs.take()
+        prog = judge.Program(program, self.sandbox_options, self.test_timeout, ceiling) if t.source is not None \
+            else None
+        try:
+            budget = budget_of()
+            ref = refs.take() if prog is not None else None
+        except BaseException:
+            if prog is not None:
+                prog.close()
+            raise
+        if prog is not None:
             if ref is None:
+                prog.close()
                 units.append(("fail", "the tests", "the reference run failed (not the program's fault)"))
             else:
                 try:
-                    s = judge.run_session(program, t.source, ref, run_options=self.sandbox_options, budget=budget,
+                    s = judge.run_session(prog, t.source, ref, run_options=self.sandbox_options, budget=budget,
                                           test_timeout=self.test_timeout, ceiling=ceiling)
                 finally:
                     refs.put_back(ref)

@@ -6,7 +6,8 @@
 * :func:`serve_tests` runs in the **reference process**, which never holds the program: for each test
   file it forks a child that runs the file as Python, unmodified, with every name of the program bound
   to a :class:`Remote` stub. A stub sends the call's arguments and gets back the return value and the
-  arguments' values after the call (copied back in place). A non-plain value comes back as a handle
+  arguments' values after the call (copied back in place). Instances of the test file's plain classes
+  cross as an object graph (:class:`Graph`) both ways. Any other non-plain value comes back as a handle
   (another :class:`Remote`): calls, attribute reads, iteration, ``len``, ``bool`` and ``str`` go to the
   program; comparison, hashing and containment never do (they would ship the other side) and fail the
   test.
@@ -116,8 +117,9 @@ def _hashable_keys(pairs):
     return pairs
 
 
-def decode(o, resolve, d=0, n=None):
-    """The value of a JSON form from :func:`encode`; ``resolve(id)`` gives the value of a handle."""
+def decode(o, resolve, d=0, n=None, nodes=()):
+    """The value of a JSON form from :func:`encode`; ``resolve(id)`` gives the value of a handle, ``nodes`` the
+    objects a ``{"o": index}`` refers to (see :class:`Graph`)."""
     if n is None:
         n = [MAX_ELEMENTS]
     n[0] -= 1
@@ -126,7 +128,7 @@ def decode(o, resolve, d=0, n=None):
     t = type(o)
     if o is None or t is bool or t is int or t is float or t is str:
         return o
-    de = lambda x: decode(x, resolve, d + 1, n)  # noqa: E731
+    de = lambda x: decode(x, resolve, d + 1, n, nodes)  # noqa: E731
     if t is list:
         return [de(x) for x in o]
     if t is not dict or len(o) != 1:
@@ -149,7 +151,7 @@ def decode(o, resolve, d=0, n=None):
     if tag == "c" and type(p) is list and len(p) == 2 and all(type(x) in (int, float) for x in p):
         return complex(float(p[0]), float(p[1]))
     if tag == "q" and type(p) is list and len(p) == 2 and (p[1] is None or type(p[1]) is int):
-        return collections.deque(decode(p[0], resolve, d + 1, n) if type(p[0]) is list else _bad(), p[1])
+        return collections.deque(de(p[0]) if type(p[0]) is list else _bad(), p[1])
     if tag == "F" and type(p) is list and len(p) == 2:
         import fractions
 
@@ -168,6 +170,8 @@ def decode(o, resolve, d=0, n=None):
         return dict(pairs(p)).items()
     if tag == "h" and type(p) is int:
         return resolve(p)
+    if tag == "o" and type(p) is int and 0 <= p < len(nodes):
+        return nodes[p]
     raise ValueError("unknown value")
 
 
@@ -211,6 +215,74 @@ def _merge(old, new):
 def _mutable(v):
     return isinstance(v, (list, dict, set, bytearray, collections.deque)) or (
         isinstance(v, tuple) and any(_mutable(x) for x in v))
+
+
+# --------------------------------------------------------------------------------------------
+# Objects that cross as data (a test's TreeNode, ListNode, Node): a graph
+# --------------------------------------------------------------------------------------------
+class Graph:
+    """Instances of the classes that cross as data, as one table of nodes ``[class name, {attribute:
+    value}]``; a value refers to node ``i`` as ``{"o": i}``. Nodes are encoded one after another, never
+    nested in each other, so a 10,000-node list is as deep as one node, and a shared node or a cycle is
+    one node. One element count bounds the whole message (nodes and values together). ``is_node(v)``:
+    does ``v`` cross as a node; ``other(v)``: the form of anything else that is not plain data."""
+
+    def __init__(self, is_node, other, seed=()):
+        self.is_node, self.other, self.n = is_node, other, [MAX_ELEMENTS]
+        self.objs, self.ids = [], {}
+        for v in seed:
+            self.ref(v)
+
+    def ref(self, v):
+        i = self.ids.get(id(v))
+        if i is None:
+            self.n[0] -= 1
+            i = self.ids[id(v)] = len(self.objs)
+            self.objs.append(v)
+        return {"o": i}
+
+    def encode(self, v):
+        return encode(v, lambda x: self.ref(x) if self.is_node(x) else self.other(x), 0, self.n)
+
+    def table(self):
+        out = []
+        while len(out) < len(self.objs):  # encoding a node's attributes may add nodes
+            v = self.objs[len(out)]
+            out.append([type(v).__name__, {k: self.encode(x) for k, x in _state(v).items()}])
+        return out
+
+
+def _state(v):
+    """An object's attributes: its ``__dict__`` and its slots (str names only)."""
+    try:
+        d = dict(object.__getattribute__(v, "__dict__"))
+    except AttributeError:
+        d = {}
+    for c in type(v).__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        for k in [slots] if isinstance(slots, str) else slots:
+            if k not in ("__dict__", "__weakref__"):
+                try:
+                    d[k] = object.__getattribute__(v, k)
+                except AttributeError:
+                    pass
+    return {k: x for k, x in d.items() if type(k) is str}
+
+
+def decode_graph(table, make, resolve, n):
+    """The nodes of a :class:`Graph` table: ``make(i, class name)`` gives node ``i`` (every node exists before
+    any attribute is decoded, so attributes may refer to any), then each node's attributes are decoded.
+    Returns ``(nodes, states)``; bounded by the element count ``n`` as :func:`decode` is."""
+    if type(table) is not list or len(table) > MAX_ELEMENTS:
+        _bad()
+    nodes = []
+    for i, node in enumerate(table):
+        n[0] -= 1
+        if n[0] < 0 or type(node) is not list or len(node) != 2 or type(node[0]) is not str \
+                or not node[0].isidentifier() or type(node[1]) is not dict:
+            _bad()
+        nodes.append(make(i, node[0]))
+    return nodes, [{k: decode(x, resolve, 0, n, nodes) for k, x in node[1].items()} for node in table]
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,14 +395,51 @@ def _refuse_other(v):
     raise TypeError("not plain data")
 
 
+_PLAIN = {}
+
+
+def _class_for(ns, name):
+    """The program's class of that name if it defines one, else a plain class of that name made here."""
+    c = ns.get(name)
+    if isinstance(c, type) and c.__module__ == "__solution__":
+        return c
+    if name not in _PLAIN:
+        _PLAIN[name] = type(name, (), {"__module__": "__solution__"})
+    return _PLAIN[name]
+
+
+def _set_state(obj, state):
+    try:
+        object.__getattribute__(obj, "__dict__").update(state)
+    except AttributeError:  # a class of the program's with __slots__
+        for k, v in state.items():
+            object.__setattr__(obj, k, v)
+
+
 def _answer(req, objs, resolve, handle, ns):
     op, target = req["o"], objs[req["h"]]
-    enc = lambda v: encode(v, handle)  # noqa: E731
-    args = [decode(a, resolve) for a in req.get("a", [])]
-    kwargs = {str(k): decode(v, resolve) for k, v in req.get("k", {}).items()}
+    # The test's objects in the arguments (a graph), rebuilt as the program's class of the same name
+    # (``__init__`` not run); the same graph, after the call, goes back with the answer.
+    n = [MAX_ELEMENTS]
+    nodes, states = decode_graph(req.get("g", []), lambda i, name: object.__new__(_class_for(ns, name)), resolve, n)
+    for obj, state in zip(nodes, states):
+        _set_state(obj, state)
+    args = [decode(a, resolve, 0, n, nodes) for a in req.get("a", [])]
+    kwargs = {str(k): decode(v, resolve, 0, n, nodes) for k, v in req.get("k", {}).items()}
     name = str(req.get("n", ""))
     if _is_dunder(name):
         raise AttributeError(name)
+    # An instance of the classes the test's objects came as, or of the program's class named like a class
+    # the test file defines, goes back as data (a node); any other object of the program as a handle.
+    as_data = {type(o).__name__ for o in nodes} | {str(c) for c in req.get("cls", [])}
+    g = Graph(lambda v: type(v).__name__ in as_data and type(v) is _class_for(ns, type(v).__name__), handle, nodes)
+
+    def answer(**a):
+        if g.objs:
+            a["g"] = g.table()
+        return a
+
+    enc = g.encode
     if op == "call":
         out = target(*args, **kwargs)
         post = [enc(a) if _mutable(a) else None for a in args]
@@ -338,17 +447,17 @@ def _answer(req, objs, resolve, handle, ns):
         same = next((i for i, a in enumerate(args) if a is out and _mutable(a)), None)
         ans = {"p": post, "pk": postk}
         ans.update({"same": same} if same is not None else {"v": enc(out)})
-        return ans
+        return answer(**ans)
     if op == "get":
-        return {"v": enc(getattr(target, name))}
+        return answer(v=enc(getattr(target, name)))
     if op == "set":
         setattr(target, name, args[0])
         return {"v": None}
     simple = {"len": len, "bool": bool, "str": str, "iter": iter, "next": next}
     if op in simple:
-        return {"v": enc(simple[op](target))}
+        return answer(v=enc(simple[op](target)))
     if op == "getitem":
-        return {"v": enc(target[args[0]])}
+        return answer(v=enc(target[args[0]]))
     if op == "setitem":
         target[args[0]] = args[1]
         return {"v": None}
@@ -427,12 +536,22 @@ class Remote:
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = __contains__ = _refuse
 
 
+def _plain_class(c):
+    """A class of the test file whose instances cross as data: its state is its ``__dict__`` (no slots, no
+    base but ``object`` and the file's own plain classes, no custom pickling)."""
+    return (c.__module__ == "__main__" and type(c) is type and globals().get(c.__name__) is not c  # not the harness's
+            and c.__reduce_ex__ is object.__reduce_ex__
+            and c.__reduce__ is object.__reduce__
+            and getattr(c, "__getstate__", None) is getattr(object, "__getstate__", None)
+            and all(b is object or (b.__module__ == "__main__" and "__slots__" not in b.__dict__) for b in c.__mro__))
+
+
 class _TestRun:
     """The state of one test file's run in the reference child."""
 
     def __init__(self, pipe):
         self.pipe, self.spoiled, self.in_call, self.late, self.gone = pipe, None, False, False, None
-        self.exc_classes = {}
+        self.exc_classes, self.ns, self.program_names = {}, {}, set()
 
     def spoil(self, kind, why):
         self.spoiled = self.spoiled or (kind, why)
@@ -441,17 +560,29 @@ class _TestRun:
     def _send_arg(self, v):
         if isinstance(v, Remote):
             return {"h": v._grpo_h}
-        self.spoil("unsupported", "the test passes a %s to the program: only plain data (and the program's own "
-                                  "objects) can be sent" % type(v).__name__)
+        self.spoil("unsupported", "the test passes a %s to the program: only plain data, instances of the test's "
+                                  "own plain classes (attributes in their __dict__) and the program's own objects "
+                                  "can be sent" % type(v).__name__)
+
+    def test_classes(self):
+        """The plain classes the test file defines at its top level, by name."""
+        return {k: c for k, c in list(self.ns.items()) if isinstance(c, type) and c.__name__ == k and _plain_class(c)}
 
     def request(self, op, target, args=(), kwargs=None, name=None):
         if self.gone:
             self.spoil("fail", self.gone)
+        g = Graph(lambda v: _plain_class(type(v)), self._send_arg)  # the arguments' own objects, and only those
         req = {"o": op, "h": target._grpo_h}
         if args:
-            req["a"] = [encode(a, self._send_arg) for a in args]
+            req["a"] = [g.encode(a) for a in args]
         if kwargs:
-            req["k"] = {k: encode(v, self._send_arg) for k, v in kwargs.items()}
+            req["k"] = {k: g.encode(v) for k, v in kwargs.items()}
+        if g.objs:
+            req["g"] = g.table()
+        classes = self.test_classes()
+        both = sorted(k for k in classes if k in self.program_names)
+        if both:  # the program's instances of these classes come back as data (the program knows its class names)
+            req["cls"] = both
         if name is not None:
             req["n"] = name
         line = self.exchange(req)
@@ -459,11 +590,25 @@ class _TestRun:
             self.gone = "the program " + line[1:].decode(errors="replace")[:200]
             self.spoil("fail", self.gone)
         ans = json.loads(line[1:])
-        resolve = Remote
+        resolve, sent, n = Remote, g.objs, [MAX_ELEMENTS]
+        classes.update({type(o).__name__: type(o) for o in sent})
+
+        def make(i, cls):  # a sent object is itself (updated in place below); a new one is of the test's class
+            return sent[i] if i < len(sent) else object.__new__(classes[cls] if cls in classes else _bad())
+
+        nodes, states = decode_graph(ans.get("g", []), make, resolve, n)
+        for i, (obj, state) in enumerate(zip(nodes, states)):
+            d = vars(obj)
+            if i < len(sent):
+                old = dict(d)
+                d.clear()
+                d.update({k: _merge(old[k], v) if k in old else v for k, v in state.items()})
+            else:
+                d.update(state)
         for dst, post in [*zip(args, ans.get("p", [])), *[(kwargs[k], v) for k, v in ans.get("pk", {}).items()
                                                           if k in (kwargs or {})]]:
             if post is not None:
-                copy_into(dst, decode(post, resolve))
+                copy_into(dst, decode(post, resolve, 0, n, nodes))
         if "r" in ans:
             base, msg, own = ans["r"]
             cls = self.exc_classes.get(own) or getattr(builtins, str(base), None)
@@ -477,7 +622,7 @@ class _TestRun:
             if type(same) is not int or not 0 <= same < len(args) or not _mutable(args[same]):
                 raise ValueError("malformed answer")
             return args[same]
-        return decode(ans["v"], resolve)
+        return decode(ans["v"], resolve, 0, n, nodes)
 
     def exchange(self, req):
         self.in_call = True
@@ -525,7 +670,8 @@ def run_test_file(pipe, source, test_timeout):
 
     signal.signal(signal.SIGPROF, on_timer)
     manifest = json.loads(t.exchange({"o": "hello", "h": -1})[1:])
-    ns = {"__name__": "__main__", "__builtins__": builtins}
+    t.ns = ns = {"__name__": "__main__", "__builtins__": builtins}
+    t.program_names = set(manifest.get("names", {}))
     dead = None if manifest.get("program") == "ok" else "the program " + str(manifest.get("program"))[:100]
     std = set(getattr(sys, "stdlib_module_names", ())) - {"antigravity", "this", "idlelib", "turtledemo"}
     for name, d in manifest.get("names", {}).items():

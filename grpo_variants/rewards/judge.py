@@ -8,7 +8,11 @@ there to a stub. Calling a stub sends the call's **arguments, as values**, to th
 arguments' values after the call, copied back in place. Nothing else ever crosses: not the tests'
 namespace, not a container an argument came from, not the other side of a comparison. Python decides
 every assert, ``except``, ``match``, ``global``, star import, chained comparison and unittest case,
-because Python runs them. A value of the program that is not plain data comes back as a *handle*
+because Python runs them. An argument that is an instance of a plain class of the test file (a
+``ListNode``, a ``TreeNode``) crosses as the object graph it reaches (:class:`harness.Graph`), is rebuilt
+as the program's class of that name and copied back in place; the program's instances of a class the
+test file defines come back the same way, as the test's class. Any other value of the program that is
+not plain data comes back as a *handle*
 whose method calls and attribute reads go to the program; comparing, hashing or searching a handle is
 never forwarded (it would ship the other side to the program) and fails the test.
 
@@ -29,7 +33,8 @@ Test formats (the dataset's ``tests`` column; one sample's tests are a list of i
   output up to trailing whitespace on each line and trailing blank lines.
 
 Refused (*unsupported*, handled by the reward's ``on_unsupported``): a test that passes the program
-something that is not data (a function or an object of the tests), an item that does not parse.
+something that is not data (a function, an object of the tests whose class is not plain), an item that
+does not parse.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ from grpo_variants.rewards.sandbox import Channel, SandboxResult, run_in_sandbox
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parse_tests", "Tests", "StdioCase", "stdout_matches", "ReferenceServer", "Session", "run_session",
-           "program_script", "REFERENCE_SCRIPT", "warn_once"]
+__all__ = ["parse_tests", "Tests", "StdioCase", "stdout_matches", "ReferenceServer", "Session", "Program",
+           "run_session", "program_script", "REFERENCE_SCRIPT", "warn_once"]
 
 _HARNESS = Path(harness.__file__).read_text()
 REFERENCE_SCRIPT = _HARNESS + "\nserve_tests()\n"
@@ -194,40 +199,65 @@ def _manifest_ok(line: bytes) -> bool:
     return isinstance(m, dict) and isinstance(m.get("program"), str) and isinstance(m.get("names"), dict)
 
 
-def run_session(program: str, source: str, ref: ReferenceServer, *, run_options: dict, budget: float,
+GRACE = 0.5  # seconds the tests' process gets past the ceiling to report, once the program is gone
+
+
+class Program:
+    """A program's sandbox, launched now (its start-up overlaps the tests' process's); it ends by
+    ``ceiling`` seconds after its launch whatever happens."""
+
+    def __init__(self, program: str, run_options: dict, test_timeout: float, ceiling: float):
+        self.ch = Channel()
+        self.box: dict = {}
+        opts = {**run_options, "timeout": ceiling + 0.5}
+        script = program_script(program, test_timeout)
+
+        def run():
+            self.box["r"] = run_in_sandbox(script, channel=self.ch, **opts)
+
+        self.thread = threading.Thread(target=run, daemon=True, name="grpo-judge-program")
+        self.t0 = time.monotonic()
+        self.end = self.t0 + ceiling
+        self.thread.start()
+
+    def close(self) -> SandboxResult | None:
+        self.ch.finish()
+        self.thread.join(timeout=max(1.0, self.end - time.monotonic()) + 5)
+        return self.box.get("r")
+
+
+def run_session(program: "str | Program", source: str, ref: ReferenceServer, *, run_options: dict, budget: float,
                 test_timeout: float, ceiling: float) -> Session:
-    """Run ``source`` (a test file) in ``ref`` against ``program`` in a fresh sandbox, relaying each line.
+    """Run ``source`` (a test file) in ``ref`` against ``program`` (launched here if a str), relaying each line.
 
-    The program is charged its start-up and the time it takes to answer (``budget`` in all); the whole
-    session ends by ``ceiling`` seconds whatever either side does. Every wait here has a deadline."""
+    The program is charged its start-up (from its launch to its first line) and the time it takes to answer
+    (``budget`` in all); the whole session ends by ``ceiling`` seconds after the program's launch whatever
+    either side does. Every wait here has a deadline."""
     s = Session()
-    ch = Channel()
-    box: dict = {}
-    opts = {**run_options, "timeout": ceiling + 0.5}
-
-    def run():
-        box["r"] = run_in_sandbox(program_script(program, test_timeout), channel=ch, **opts)
-
-    thread = threading.Thread(target=run, daemon=True, name="grpo-judge-program")
-    t0 = time.monotonic()
-    end = t0 + ceiling
-    thread.start()
+    if isinstance(program, str):
+        program = Program(program, run_options, test_timeout, ceiling)
+    ch, t0, end = program.ch, program.t0, program.end
 
     def charge(deadline_of_answer):
         return min(end, time.monotonic() + max(0.0, budget - s.program_seconds)) if deadline_of_answer else end
 
+    # The tests' side has until ``end``; once the program is gone (its budget may end at ``end`` itself, with
+    # time_factor=None), GRACE more to hear so and report, rather than be taken for a failed tests' process.
+    tests_end = [end]
+
     def lose(why: str) -> None:
         s.gone = s.gone or why
-        ch.stop("timeout" if "budget" in why else "finished")
+        tests_end[0] = min(end + GRACE, max(end, time.monotonic() + GRACE))
+        ch.stop("timeout" if "budget" in why or "timeout" in why else "finished")
 
     def spent(start: float) -> None:
         s.program_seconds += time.monotonic() - start
 
     manifest = None
 
-    def ready() -> bytes:  # the program's manifest: its start-up is charged from t0, while the tests' run forks
+    def ready() -> bytes:  # the program's manifest: its start-up, from its launch to its first line, is charged
         line = ch.readline(min(end, t0 + budget))
-        spent(t0)
+        s.program_seconds += min(time.monotonic(), ch.first_line_at or time.monotonic()) - t0
         if line is None or not _manifest_ok(line):
             lose("spent its time budget before it was ready" if s.program_seconds >= budget - 1e-3 else
                  "sent no result (it crashed, was killed or garbled its result stream)")
@@ -235,12 +265,12 @@ def run_session(program: str, source: str, ref: ReferenceServer, *, run_options:
         return line
 
     try:
-        if not ref.channel.write(b"N" + json.dumps([source, float(test_timeout)]).encode() + b"\n", end):
+        if not ref.channel.write(b"N" + json.dumps([source, float(test_timeout)]).encode() + b"\n", tests_end[0]):
             s.reference_failed = "the tests' process did not take the file"
         while s.reference_failed is None:
-            line = ref.channel.readline(end)
+            line = ref.channel.readline(tests_end[0])
             if line is None:
-                s.reference_failed = ("the tests ran past the timeout" if time.monotonic() >= end
+                s.reference_failed = ("the tests ran past the timeout" if time.monotonic() >= tests_end[0]
                                       else "the tests' process ended")
                 break
             kind, body = line[:1], line[1:]
@@ -261,11 +291,13 @@ def run_session(program: str, source: str, ref: ReferenceServer, *, run_options:
                     spent(start)
                     if got is None:
                         lose(f"spent its time budget of {budget:.2f} s" if s.program_seconds >= budget - 1e-3
+                             else f"was stopped at the timeout ({ceiling:g} s after its launch)"
+                             if time.monotonic() >= end - 1e-3
                              else "stopped answering (it crashed, was killed or closed its pipe)")
                         answer = b"X" + s.gone.encode()
                     else:
                         answer = b"R" + got
-                if not ref.channel.write(answer + b"\n", end):
+                if not ref.channel.write(answer + b"\n", tests_end[0]):
                     s.reference_failed = "the tests' process stopped reading"
             elif kind == b"U":
                 try:
@@ -278,9 +310,7 @@ def run_session(program: str, source: str, ref: ReferenceServer, *, run_options:
                     s.reference_failed = "the tests' process crashed (%s)" % body[:80].decode(errors="replace")
                 break
     finally:
-        ch.finish()
-        thread.join(timeout=max(1.0, end - time.monotonic()) + 5)
-        s.result = box.get("r")
+        s.result = program.close()
         if s.reference_failed is not None:
             ref.close("reference_failed")
     return s
@@ -288,16 +318,24 @@ def run_session(program: str, source: str, ref: ReferenceServer, *, run_options:
 
 class ReferencePool:
     """The tests' processes of one reward call: ``n`` servers, each serving one session at a time; a server
-    that failed is replaced (started afresh) by the next session that needs one."""
+    that failed is replaced (started afresh) by the next session that needs one. They start at once;
+    :meth:`wait_ready` (called by the first :meth:`take`) waits ``ready_within`` at most from then."""
 
     def __init__(self, n: int, run_options: dict, lifetime: float, ready_within: float):
         self.run_options, self.lifetime, self.ready_within = run_options, lifetime, ready_within
         self.free: queue.Queue = queue.Queue()
         self.all = [ReferenceServer(run_options, lifetime) for _ in range(n)]
-        deadline = time.monotonic() + ready_within
-        for r in self.all:
-            r.wait_ready(deadline)
-            self.free.put(r)
+        self._deadline = time.monotonic() + ready_within
+        self._lock = threading.Lock()
+        self._waited = False
+
+    def wait_ready(self) -> None:
+        with self._lock:
+            if not self._waited:
+                self._waited = True
+                for r in self.all:
+                    r.wait_ready(self._deadline)
+                    self.free.put(r)
 
     @property
     def startup(self) -> float | None:
@@ -305,6 +343,7 @@ class ReferencePool:
         return min(times) if times else None
 
     def take(self) -> ReferenceServer | None:
+        self.wait_ready()
         r = self.free.get()
         if r.broken:
             r = ReferenceServer(self.run_options, self.lifetime)

@@ -206,6 +206,7 @@ class Channel:
         self.closed = False  # the run's stdout ended (or the run is over)
         self.reason: str | None = None
         self.stop_at: float | None = None
+        self.first_line_at: float | None = None  # when the run's first whole line arrived
 
     def _attach(self, fd: int) -> None:
         os.set_blocking(fd, False)
@@ -217,6 +218,8 @@ class Channel:
 
     def _feed(self, data: bytes, cap: int) -> bool:
         with self._cv:
+            if self.first_line_at is None and b"\n" in data:
+                self.first_line_at = time.monotonic()
             self._buf += data
             self._cv.notify_all()
             return len(self._buf) <= cap
