@@ -114,10 +114,11 @@ def check_vllm_config(args) -> None:
         base_url = getattr(args, "vllm_server_base_url", None)
         host = urlparse(base_url).hostname if base_url else getattr(args, "vllm_server_host", "0.0.0.0")
         if host not in _LOCAL_HOSTS:
+            field_ = f"vllm_server_base_url={base_url!r}" if base_url else f"vllm_server_host={host!r}"
             raise ConfigError(
-                f"vllm_mode='server' without CUDA syncs weights to the server by a tensor stream over loopback, so the "
-                f"server must run on this machine; got host {host!r}. Start `grpo-variants vllm-serve --model PATH` "
-                "here and set vllm_server_base_url='http://127.0.0.1:8000' (or vllm_mode='colocate')."
+                f"{field_}: without CUDA, vllm_mode='server' syncs weights by a tensor stream over loopback, so the "
+                "server must run on this machine. Start `grpo-variants vllm-serve --model PATH` here and set "
+                "vllm_server_base_url='http://127.0.0.1:8000' (or vllm_mode='colocate')."
             )
     if getattr(args, "vllm_reuse_engine", False) and args.vllm_mode != "colocate":
         raise ConfigError(
