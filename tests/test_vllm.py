@@ -524,6 +524,23 @@ def test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server
         fresh = _fresh_engine_logps(trainer.model, kit.model_path, tmp_path / "fresh", sequences)
         assert _gap(synced, fresh) <= EXACT
         assert _gap(stale, fresh) > EXACT  # the check sees a server one update behind
+
+        # TRL's weight_update() context: per-tensor update_named_param calls make one stream, loaded as one update
+        with torch.no_grad():
+            for p in weights.values():
+                p.mul_(1.01)
+        with client.weight_update():
+            for name, tensor in generation._iter_named_params():
+                client.update_named_param(name, tensor)
+        client.reset_prefix_cache()
+        assert client.last_sync["tensors"] == len(weights) == client.last_sync["server"]["tensors"]
+        moved = served_logps()
+        with torch.no_grad():
+            local = []
+            for seq in sequences:
+                logits = trainer.model(torch.tensor([seq])).logits[0, :-1].float().log_softmax(-1)
+                local.append(logits.gather(1, torch.tensor(seq[1:]).view(-1, 1)).flatten())
+        assert _gap(moved, synced) > EXACT and _gap(moved, local) <= EXACT  # float32 engine vs transformers: noise
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)

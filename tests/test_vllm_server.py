@@ -48,6 +48,24 @@ def test_tensors_cross_the_loopback_stream_exactly_in_bounded_chunks():
     assert max(recorder.writes) <= 4096 and len(recorder.writes) > total // 4096
 
 
+def test_a_stream_written_in_parts_ends_once():
+    sender, receiver = socket.socketpair()
+    parts = [[("a", torch.ones(3))], [("b", torch.zeros(2, 2)), ("c", torch.arange(4))]]
+
+    def write():
+        for part in parts:
+            send_tensors(sender, iter(part), end=False)
+        send_tensors(sender, iter(()))  # the end mark alone
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    received = list(receive_tensors(receiver))
+    thread.join(timeout=30)
+    sender.close()
+    receiver.close()
+    assert [n for n, _ in received] == ["a", "b", "c"] and torch.equal(received[2][1], torch.arange(4))
+
+
 def test_a_stream_cut_in_the_middle_of_a_tensor_is_an_error():
     class Sink:
         data = bytearray()

@@ -51,8 +51,7 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20  # the largest piece of a tensor written to / read from the socket at once
 RPC_METHOD = "grpo_variants_receive_weights"
-PING_METHOD = "grpo_variants_loopback_version"
-PROTOCOL = 1
+EXTENSION = "grpo_variants.rollout.vllm_server.LoopbackWeightReceiver"
 _LOOPBACK = "127.0.0.1"
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32",
                                                     "int8", "uint8", "bool")}
@@ -62,9 +61,10 @@ _HEADER = struct.Struct("<I")  # little-endian byte length of the JSON header th
 # ------------------------------------------------------------------------------------------------
 # The wire format (both ends)
 # ------------------------------------------------------------------------------------------------
-def send_tensors(sock: socket.socket, named_tensors, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, int]:
+def send_tensors(sock: socket.socket, named_tensors, chunk_bytes: int = CHUNK_BYTES, end: bool = True
+                 ) -> tuple[int, int]:
     """Write ``(name, tensor)`` pairs to ``sock``: a JSON header each, then the raw bytes in bounded chunks; then
-    the end mark. Returns (tensors, bytes) sent."""
+    (``end``) the end mark. Returns (tensors, bytes) sent."""
     count = total = 0
     for name, tensor in named_tensors:
         tensor = tensor.detach()
@@ -83,7 +83,8 @@ def send_tensors(sock: socket.socket, named_tensors, chunk_bytes: int = CHUNK_BY
             sock.sendall(view[start:start + chunk_bytes])
         count += 1
         total += int(raw.numel())
-    sock.sendall(_HEADER.pack(0))
+    if end:
+        sock.sendall(_HEADER.pack(0))
     return count, total
 
 
@@ -121,9 +122,6 @@ def receive_tensors(sock: socket.socket):
 class LoopbackWeightReceiver:
     """Mixed into vLLM's worker by ``--worker-extension-cls``; its methods are called through ``/collective_rpc``."""
 
-    def grpo_variants_loopback_version(self) -> dict:
-        return {"protocol": PROTOCOL}
-
     def grpo_variants_receive_weights(self, port: str, token: str) -> dict:
         """Connect to the trainer's one-use socket on 127.0.0.1:``port``, read the tensors it streams and load them
         with the colocated CPU sync's exact path (vLLM's reload, then the tied layers' re-processing)."""
@@ -150,6 +148,87 @@ class LoopbackWeightReceiver:
 # ------------------------------------------------------------------------------------------------
 # The trainer side: TRL's VLLMClient with the NCCL group replaced by the loopback stream
 # ------------------------------------------------------------------------------------------------
+class _Stream:
+    """One weight update: a one-use socket on 127.0.0.1 the server's worker connects to (after a ``/collective_rpc``
+    call naming its port and a random token), the tensors written to it, then the end mark and the server's reply."""
+
+    def __init__(self, base_url: str, accept_timeout: float = 120.0):
+        import requests
+
+        self.start = time.perf_counter()
+        self.tensors = self.bytes = 0
+        token = secrets.token_hex(16)
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind((_LOOPBACK, 0))
+        self.listener.listen(1)
+        self.listener.settimeout(accept_timeout)
+        port = self.listener.getsockname()[1]
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.executor = ThreadPoolExecutor(max_workers=1)
+        # plain requests (no retries): the call blocks while the worker reads the stream, and must not be repeated
+        self.future = self.executor.submit(requests.post, f"{base_url}/collective_rpc",
+                                           json={"method": RPC_METHOD, "kwargs": {"port": str(port), "token": token}})
+        self.conn = None
+        try:
+            while self.conn is None:
+                try:
+                    conn, _ = self.listener.accept()
+                except TimeoutError:
+                    self._raise_server_error()
+                    raise
+                conn.settimeout(600)
+                got = bytearray(len(token))
+                _read_exact(conn, memoryview(got))
+                if got.decode(errors="replace") == token:
+                    self.conn = conn
+                else:
+                    conn.close()  # not the worker we called: keep waiting
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _raise_server_error(self):
+        if self.future.done():
+            response = self.future.result()
+            if response.status_code != 200:
+                raise RuntimeError(f"the vLLM server refused the weight stream: {response.status_code}, "
+                                   f"{response.text[:500]}")
+
+    def write(self, named_params) -> None:
+        try:
+            count, nbytes = send_tensors(self.conn, named_params, end=False)
+        except BaseException:
+            self._shutdown()
+            raise
+        self.tensors += count
+        self.bytes += nbytes
+
+    def close(self) -> dict:
+        try:
+            self.conn.sendall(_HEADER.pack(0))
+            ack = bytearray(2)
+            _read_exact(self.conn, memoryview(ack))
+        except ConnectionError:
+            self._raise_server_error()
+            raise
+        finally:
+            self._shutdown()
+        response = self.future.result()
+        if response.status_code != 200:
+            raise RuntimeError(f"the vLLM server failed to load the weights: {response.status_code}, "
+                               f"{response.text[:500]}")
+        server = (response.json().get("results") or [{}])[0] or {}
+        return {"tensors": self.tensors, "bytes": self.bytes, "seconds": time.perf_counter() - self.start,
+                "server": server}
+
+    def _shutdown(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+        self.executor.shutdown(wait=True)
+
+
 def _client_class():
     from trl.generation.vllm_client import VLLMClient
 
@@ -160,63 +239,48 @@ def _client_class():
         last_sync: dict | None = None
 
         def init_communicator(self, device=None):
-            response = self.session.post(f"{self.base_url}/collective_rpc", json={"method": PING_METHOD})
-            if response.status_code != 200:
-                raise RuntimeError(
-                    f"The vLLM server at {self.base_url} cannot take a CPU weight sync (HTTP {response.status_code} on "
-                    "/collective_rpc): start it with `grpo-variants vllm-serve --model PATH` (docs/vllm.md)."
+            """No NCCL group: check that the server is ``grpo-variants vllm-serve`` (its worker takes the stream)."""
+            from grpo_variants.errors import ConfigError
+
+            response = self.session.get(f"{self.base_url}/server_info", params={"config_format": "json"})
+            extension = None
+            if response.status_code == 200:
+                extension = response.json()["vllm_config"].get("parallel_config", {}).get("worker_extension_cls")
+            if extension != EXTENSION:
+                raise ConfigError(
+                    f"The vLLM server at {self.base_url} cannot take a weight sync without CUDA ("
+                    + ("no development endpoints" if response.status_code != 200
+                       else f"worker extension {extension!r}")
+                    + "): start it with `grpo-variants vllm-serve --model PATH` on this machine (docs/vllm.md)."
                 )
             self.communicator = "loopback"
 
         def close_communicator(self):
             self.communicator = None
 
-        def _start_weight_update(self):  # the stream carries a whole update; nothing to open on the server
-            return None
+        # TRL's ``weight_update()`` context opens one update around several ``update_named_param`` calls: here one
+        # stream, which the server loads as one reload when it ends. A lone ``update_named_params`` is its own update.
+        def _start_weight_update(self):
+            self._stream = _Stream(self.base_url)
 
         def _finish_weight_update(self):
-            return None
+            stream, self._stream = self._stream, None
+            if stream is not None:
+                self._finished(stream)
 
         def update_named_params(self, metadata, named_params):
-            token = secrets.token_hex(16)
-            start = time.perf_counter()
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-                listener.bind((_LOOPBACK, 0))
-                listener.listen(1)
-                listener.settimeout(120)
-                port = listener.getsockname()[1]
-                from concurrent.futures import ThreadPoolExecutor
+            stream = getattr(self, "_stream", None)
+            if stream is not None and self._updating_weights:
+                stream.write(named_params)
+                return
+            stream = _Stream(self.base_url)
+            stream.write(named_params)
+            self._finished(stream)
 
-                with ThreadPoolExecutor(max_workers=1) as executor:
-                    future = executor.submit(self._post, f"{self.base_url}/collective_rpc",
-                                             json={"method": RPC_METHOD, "kwargs": {"port": str(port), "token": token}})
-                    conn = None
-                    try:
-                        while conn is None:
-                            try:
-                                conn, _ = listener.accept()
-                            except TimeoutError:
-                                if future.done():
-                                    future.result()  # the server's error
-                                raise
-                            conn.settimeout(600)
-                            got = bytearray(len(token))
-                            _read_exact(conn, memoryview(got))
-                            if got.decode(errors="replace") != token:
-                                conn.close()
-                                conn = None  # not our server's worker: keep waiting
-                        count, nbytes = send_tensors(conn, named_params)
-                        ack = bytearray(2)
-                        _read_exact(conn, memoryview(ack))
-                    finally:
-                        if conn is not None:
-                            conn.close()
-                    result = future.result()
-            server = (result.get("results") or [{}])[0] or {}
-            self.last_sync = {"tensors": count, "bytes": nbytes, "seconds": time.perf_counter() - start,
-                              "server": server}
+        def _finished(self, stream):
+            self.last_sync = stream.close()
             logger.info("weights streamed to the vLLM server over loopback: %d tensors, %.1f MB in %.2f s",
-                        count, nbytes / 1e6, self.last_sync["seconds"])
+                        self.last_sync["tensors"], self.last_sync["bytes"] / 1e6, self.last_sync["seconds"])
 
     LoopbackVLLMClient.__module__ = __name__
     LoopbackVLLMClient.__qualname__ = "LoopbackVLLMClient"
@@ -252,7 +316,7 @@ def build_serve_args(ns: argparse.Namespace, extra: list[str] | None = None, *, 
     """The ``vllm serve`` arguments the command runs (TRL's settings, plus our worker extension)."""
     args = ["serve", ns.model, "--host", ns.host, "--port", str(ns.port), "--dtype", ns.dtype,
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-            "--worker-extension-cls", "grpo_variants.rollout.vllm_server.LoopbackWeightReceiver"]
+            "--worker-extension-cls", EXTENSION]
     if ns.max_model_len is not None:
         args += ["--max-model-len", str(ns.max_model_len)]
     if ns.enforce_eager:
