@@ -91,7 +91,7 @@ def measure(name: str, path: str, syncs: int, workdir: Path) -> dict:
             rows.append({"wall_s": time.perf_counter() - wall, "trainer_cpu_s": time.process_time() - cpu,
                          "server_s": client.last_sync["server"]["seconds"], "bytes": client.last_sync["bytes"],
                          "tensors": client.last_sync["tensors"]})
-        sequence = list(range(5, 37))
+        sequence = [(7 * i + 3) % model.config.vocab_size for i in range(32)]
         served = client.get_sequence_logprobs([sequence], [1], top_logprobs=1)["actual_logprobs"][0]
         with torch.no_grad():
             logits = model(torch.tensor([sequence])).logits[0, :-1].float().log_softmax(-1)
