@@ -479,6 +479,12 @@ def test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server
                 logits = trainer.model(torch.tensor([seq])).logits[0, :-1].float().log_softmax(-1)
                 local.append(logits.gather(1, torch.tensor(seq[1:]).view(-1, 1)).flatten())
         assert _gap(moved, synced) > EXACT and _gap(moved, local) <= EXACT  # float32 engine vs transformers: noise
+
+        # a vllm_dtype that is not the server's is refused when the trainer is built, in one line
+        with pytest.raises(ConfigError, match="vllm_dtype='bfloat16'.*computes in float32") as info:
+            _toy_trainer("grpo", tmp_path / "bf16", kit, vllm_mode="server", vllm_server_base_url=url,
+                         vllm_reuse_engine=False, vllm_enforce_eager=False, vllm_dtype="bfloat16")
+        assert "\n" not in str(info.value)
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
