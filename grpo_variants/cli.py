@@ -4,6 +4,7 @@
     grpo-variants train --variant dapo --model toy --dataset toy --max_steps 2 --output_dir out
     grpo-variants train --config recipe.yaml [--any_config_field value ...]
     grpo-variants demo [--output_dir outputs/demo] [--max_steps N]
+    grpo-variants vllm-serve --model PATH [--host 127.0.0.1] [--port 8000] [--dtype float32] [-- vllm serve args]
 
 ``train`` parses like ``trl grpo``: ``trl.TrlParser`` over TRL's script arguments
 (``GRPOScriptArguments``: ``--dataset_name``, ``--reward_funcs``, ...), the variant's config class
@@ -422,9 +423,17 @@ def cmd_demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def cmd_vllm_serve(argv: list[str]) -> int:
+    """vLLM's own server for ``vllm_mode="server"``, with a weight sync that works without CUDA (docs/vllm.md)."""
+    from grpo_variants.rollout.vllm_server import main as serve_main
+
+    return serve_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: grpo-variants {list,train,demo} [options]   (grpo-variants train --help for the fields)"
+    usage = ("usage: grpo-variants {list,train,demo,vllm-serve} [options]   (grpo-variants train --help for the "
+             "fields)")
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() if argv else usage)
         return 0 if argv else 2
@@ -436,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(rest)
         if command == "demo":
             return cmd_demo(rest)
+        if command == "vllm-serve":
+            return cmd_vllm_serve(rest)
     except GRPOVariantsError as err:
         print(f"grpo-variants {command}: error: {err}", file=sys.stderr)
         return 2

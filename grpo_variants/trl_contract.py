@@ -68,6 +68,13 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("vllm_enable_sleep_mode", "True in colocate mode on a machine without a GPU (vLLM's CPU backend has no "
             "sleep mode; docs/vllm.md)", "GRPOVariantConfig",
             dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True), "no sleep mode on its CPU backend"),
+    Refusal("vllm_server_base_url", "not this machine, in server mode without a GPU (the weight sync streams over "
+            "loopback to `grpo-variants vllm-serve`; docs/vllm.md)", "GRPOVariantConfig",
+            dict(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://10.0.0.2:8000"),
+            "syncs weights by a tensor stream over loopback"),
+    Refusal("vllm_server_host", "not this machine, in server mode without a GPU (as `vllm_server_base_url`)",
+            "GRPOVariantConfig", dict(use_vllm=True, vllm_mode="server", vllm_server_host="10.0.0.2"),
+            "syncs weights by a tensor stream over loopback"),
 )
 
 # TRL fields TRL's loss reads, and what our composed loss does with them (docs/algorithms.md has the formulas).

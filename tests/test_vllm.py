@@ -5,7 +5,8 @@ so in the main environment this module is skipped, saying so. Every toy trainer 
 (``vllm_reuse_engine=True``: one engine per model and process, each trainer syncs its weights into it before
 its first rollout) in float32, eager (``vllm_enforce_eager=True``: ~3 s to start instead of ~45 s). The
 reference for "exact" is a fresh engine (same dtype) loaded from the trained weights, started for the check
-and dropped after it.
+and dropped after it. Server mode has one test of its own (slow, so it runs first): it starts one
+``grpo-variants vllm-serve`` process, trains against it and stops it.
 """
 
 from __future__ import annotations
@@ -371,6 +372,136 @@ def test_padding_free_and_process_supervision_with_engine_rollouts(setting, shar
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Server mode on CPU: `grpo-variants vllm-serve`, weights streamed over loopback
+# ---------------------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _live_group_members(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` that are alive (zombies, already dead, are not counted)."""
+    live = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp
+            live.append(int(entry))
+    return live
+
+
+@pytest.mark.slow
+def test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server_stops(kit, tmp_path):
+    """One server (our command, float32, eager) on a free port of 127.0.0.1; a variant trains 2 steps against it,
+    each rollout after a sync streamed over loopback; the synced server's log-probs of fixed sequences equal a fresh
+    engine's loaded from the trained weights (as in colocate); then the server is stopped, every process of it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import requests
+
+    port = _free_port()
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "grpo_variants.cli", "vllm-serve", "--model", str(kit.model_path), "--port",
+               str(port), "--dtype", "float32", "--enforce-eager", "--", "--max-num-seqs", "16"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, f"the server exited ({server.returncode}):\n{log_path.read_text()[-3000:]}"
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, f"no server after 600 s:\n{log_path.read_text()[-3000:]}"
+            time.sleep(2)
+
+        trainer = _toy_trainer("gspo", tmp_path, kit, vllm_mode="server", vllm_server_base_url=url,
+                               vllm_reuse_engine=False, vllm_enforce_eager=False, learning_rate=1e-2,
+                               lr_scheduler_type="constant", mini_batches_per_rollout=1)  # a rollout (and sync) per step
+        generation = trainer.vllm_generation
+        client = generation.vllm_client
+        assert type(client).__name__ == "LoopbackVLLMClient"
+        line = generation.announcement()
+        assert "\n" not in line and "server mode" in line and "loopback" in line
+        trainer.train()
+        assert trainer.state.global_step == 2 and generation.sync_count == 2
+        # the float32 server sampled from the policy being trained at both steps
+        gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
+        assert len(gaps) == 2 and max(gaps) < NOISE, gaps
+        sent = client.last_sync
+        weights = {name: p for name, p in trainer.model.named_parameters()}
+        assert sent["tensors"] == len(weights) == sent["server"]["tensors"]
+        assert sent["bytes"] == sum(p.numel() * p.element_size() for p in weights.values()) == sent["server"]["bytes"]
+        assert "lm_head" in sent["server"]["tied_reprocessed"]  # the tied output layer rebuilt after the reload
+        print(f"loopback sync: {sent['bytes'] / 1e6:.1f} MB, {sent['seconds']:.3f} s")
+
+        sequences = _sequences(trainer, kit.train)
+
+        def served_logps():
+            out = client.get_sequence_logprobs(sequences, [1] * len(sequences), top_logprobs=1)
+            return [torch.tensor([row[0] for row in seq]) for seq in out["actual_logprobs"]]
+
+        stale = served_logps()  # the last update is not synced yet
+        generation.sync_weights()
+        synced = served_logps()
+        fresh = _fresh_engine_logps(trainer.model, kit.model_path, tmp_path / "fresh", sequences)
+        assert _gap(synced, fresh) <= EXACT
+        assert _gap(stale, fresh) > EXACT  # the check sees a server one update behind
+
+        # TRL's weight_update() context: per-tensor update_named_param calls make one stream, loaded as one update
+        with torch.no_grad():
+            for p in weights.values():
+                p.mul_(1.01)
+        with client.weight_update():
+            for name, tensor in generation._iter_named_params():
+                client.update_named_param(name, tensor)
+        client.reset_prefix_cache()
+        assert client.last_sync["tensors"] == len(weights) == client.last_sync["server"]["tensors"]
+        moved = served_logps()
+        with torch.no_grad():
+            local = []
+            for seq in sequences:
+                logits = trainer.model(torch.tensor([seq])).logits[0, :-1].float().log_softmax(-1)
+                local.append(logits.gather(1, torch.tensor(seq[1:]).view(-1, 1)).flatten())
+        assert _gap(moved, synced) > EXACT and _gap(moved, local) <= EXACT  # float32 engine vs transformers: noise
+
+        # a vllm_dtype that is not the server's is refused when the trainer is built, in one line
+        with pytest.raises(ConfigError, match="vllm_dtype='bfloat16'.*computes in float32") as info:
+            _toy_trainer("grpo", tmp_path / "bf16", kit, vllm_mode="server", vllm_server_base_url=url,
+                         vllm_reuse_engine=False, vllm_enforce_eager=False, vllm_dtype="bfloat16")
+        assert "\n" not in str(info.value)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _live_group_members(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert server.returncode is not None and not _live_group_members(server.pid)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{url}/health", timeout=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # vLLM's default engine (compiled: torch.compile on CPU), as a user who sets only use_vllm=True gets it
 # ---------------------------------------------------------------------------------------------------------------
 def test_sync_is_exact_with_the_default_compiled_engine(shared_engine, kit, tmp_path):
@@ -431,3 +562,4 @@ def test_smollm2_trains_two_steps_with_a_bfloat16_engine(shared_engine, tmp_path
     gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
     assert len(gaps) == 2 and all(math.isfinite(g) for g in gaps), gaps
     print(f"SmolLM2, bfloat16 engine vs float32 trainer: sampling_logp_difference/mean {gaps}")
+

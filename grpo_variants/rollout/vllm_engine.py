@@ -25,8 +25,10 @@ users and tools reach stay TRL's. What the subclass adds:
   generate), so the reuse changes no rollout. Said in one line. Useful in notebooks, sweeps and tests.
 
 Sleep mode does not exist on vLLM's CPU backend: ``vllm_enable_sleep_mode=True`` is refused at construction
-there (:func:`check_vllm_config`). Server mode on CPU is not available (TRL's server sync is NCCL only;
-docs/vllm.md).
+there (:func:`check_vllm_config`). Server mode without CUDA (``vllm_mode="server"``): the server is
+``grpo-variants vllm-serve`` on this machine, and TRL's client (``vllm_generation.vllm_client``) is built as our
+subclass whose weight updates stream the tensors over loopback to it instead of NCCL
+(:mod:`grpo_variants.rollout.vllm_server`); a server host that is not this machine is refused at construction.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "get_engine",
     "release_engines",
     "reprocess_tied_layers",
+    "server_sync_is_loopback",
     "start_engine",
     "variant_vllm_generation",
     "vllm_platform_is_cpu",
@@ -79,6 +82,14 @@ def vllm_platform_is_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def server_sync_is_loopback() -> bool:
+    """Whether server mode syncs weights by our loopback tensor stream (no CUDA here) rather than TRL's NCCL."""
+    return not torch.cuda.is_available()
+
+
+_LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+
+
 def check_vllm_config(args) -> None:
     """Construction-time checks of the vLLM fields (called by ``GRPOVariantConfig.__post_init__``)."""
     dtype = getattr(args, "vllm_dtype", "auto")
@@ -92,6 +103,23 @@ def check_vllm_config(args) -> None:
             "cannot release its memory between rollouts. Set vllm_enable_sleep_mode=False (its KV cache on CPU is "
             "sized by vllm_gpu_memory_utilization, a fraction of RAM, or VLLM_CPU_KVCACHE_SPACE in GiB)."
         )
+    if args.vllm_mode == "server" and getattr(args, "vllm_enforce_eager", False):
+        raise ConfigError(
+            "vllm_enforce_eager=True: with vllm_mode='server' the engine is the server's; start it with "
+            "`grpo-variants vllm-serve --model PATH --enforce-eager` and leave vllm_enforce_eager=False."
+        )
+    if args.vllm_mode == "server" and server_sync_is_loopback():
+        from urllib.parse import urlparse
+
+        base_url = getattr(args, "vllm_server_base_url", None)
+        host = urlparse(base_url).hostname if base_url else getattr(args, "vllm_server_host", "0.0.0.0")
+        if host not in _LOCAL_HOSTS:
+            field_ = f"vllm_server_base_url={base_url!r}" if base_url else f"vllm_server_host={host!r}"
+            raise ConfigError(
+                f"{field_}: without CUDA, vllm_mode='server' syncs weights by a tensor stream over loopback, so the "
+                "server must run on this machine. Start `grpo-variants vllm-serve --model PATH` here and set "
+                "vllm_server_base_url='http://127.0.0.1:8000' (or vllm_mode='colocate')."
+            )
     if getattr(args, "vllm_reuse_engine", False) and args.vllm_mode != "colocate":
         raise ConfigError(
             "vllm_reuse_engine=True reuses a colocated engine of this process; with vllm_mode='server' the engine "
@@ -216,6 +244,21 @@ def _generation_class():
                                self.model_impl, None, self.enforce_eager)
 
         def _init_vllm(self):
+            if self.mode == "server":
+                if not server_sync_is_loopback():
+                    return super()._init_vllm()  # TRL's client, its NCCL weight sync
+                import trl.generation.vllm_generation as module
+
+                from grpo_variants.rollout.vllm_server import _client_class
+
+                original = module.VLLMClient
+                module.VLLMClient = _client_class()  # TRL's client; its weight updates stream over loopback
+                try:
+                    super()._init_vllm()
+                finally:
+                    module.VLLMClient = original
+                self._check_server_dtype()
+                return None
             if self.mode != "colocate":
                 return super()._init_vllm()
             if self.reuse_engine and self.tensor_parallel_size == 1 and self.accelerator.num_processes == 1:
@@ -232,11 +275,26 @@ def _generation_class():
                 _ENGINES.setdefault(self._engine_key(), self.llm)
             return None
 
+        def _check_server_dtype(self):
+            """``vllm_dtype`` other than "auto" in server mode: the server's engine must compute in it."""
+            if self.dtype == "auto" or getattr(self, "vllm_client", None) is None:
+                return
+            served = str(self.vllm_client.get_server_info()["model_config"]["dtype"]).removeprefix("torch.")
+            if served != self.dtype:
+                raise ConfigError(
+                    f"vllm_dtype={self.dtype!r}, but the vLLM server at {self.vllm_client.base_url} computes in "
+                    f"{served}: restart it with `grpo-variants vllm-serve --dtype {self.dtype}`, or set "
+                    "vllm_dtype='auto' to take the server's."
+                )
+
         def announcement(self) -> str:
             """One line: where the engine runs, its dtype, and whether it was reused."""
             if self.mode != "colocate":
-                return (f"vLLM engine: server mode ({getattr(self, 'server_base_url', None) or 'host/port'}); its "
-                        "dtype is the server's (grpo-variants vllm-serve --dtype).")
+                url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+                sync = ("weights synced by a tensor stream over loopback (no CUDA here for TRL's NCCL sync; the "
+                        "server must be `grpo-variants vllm-serve`)" if server_sync_is_loopback()
+                        else "weights synced by TRL's NCCL transfer")
+                return f"vLLM engine: server mode at {url}, {sync}; its dtype is the server's (--dtype)."
             dtype = str(engine_dtype(self.llm)).removeprefix("torch.")
             how = "the checkpoint's" if self.dtype == "auto" else "chosen"
             where = "CPU backend" if vllm_platform_is_cpu() else "colocated"
