@@ -17,7 +17,7 @@ client refuses a CPU device for the NCCL group. This module keeps everything els
   iterates (PEFT merged, ZeRO-3 gathered): per tensor a small JSON header (name, dtype, shape, byte count), then
   its raw bytes in chunks of at most :data:`CHUNK_BYTES`; no pickle, nothing written to disk, at most one tensor
   held at a time on either side. The worker feeds them to the same exact path as the colocated CPU sync
-  (``reload_weights(weights_iterator=...)``, then :func:`~grpo_variants.rollout.vllm_engine.reprocess_tied_layers`
+  (``reload_weights(weights_iterator=...)``, then :func:`~grpo_variants.rollout.vllm_weights.reprocess_tied_layers`
   for a tied output layer), so a synced server equals a fresh engine loaded from the same weights.
 
 On a CUDA machine the command also enables vLLM's NCCL weight-transfer engine, and TRL's client is used unchanged.
@@ -125,7 +125,7 @@ class LoopbackWeightReceiver:
     def grpo_variants_receive_weights(self, port: str, token: str) -> dict:
         """Connect to the trainer's one-use socket on 127.0.0.1:``port``, read the tensors it streams and load them
         with the colocated CPU sync's exact path (vLLM's reload, then the tied layers' re-processing)."""
-        from grpo_variants.rollout.vllm_engine import reprocess_tied_layers
+        from grpo_variants.rollout.vllm_weights import reprocess_tied_layers
 
         start = time.perf_counter()
         received = {"tensors": 0, "bytes": 0}
