@@ -246,10 +246,21 @@ def test_writing_outside_its_directory():
     assert not _canaries(), (r.stdout, _canaries())
     assert _score(prog) == 0.0
     assert not _canaries()
-    # The run's own working directory is gone afterwards.
-    before = set(os.listdir(sb._sandbox_base()))
-    r = run_in_sandbox("import os\nopen('f', 'w').write('x')\nprint(os.getcwd())")
-    assert r.ok and set(os.listdir(sb._sandbox_base())) <= before
+    # The run's own working directory is gone afterwards (its own: another xdist worker's runs share the base).
+    made = []
+    real_mkdtemp = sb.tempfile.mkdtemp
+
+    def recording_mkdtemp(*args, **kwargs):
+        made.append(real_mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    sb.tempfile.mkdtemp = recording_mkdtemp
+    try:
+        r = run_in_sandbox("import os\nopen('f', 'w').write('x')\nprint(os.getcwd())")
+    finally:
+        sb.tempfile.mkdtemp = real_mkdtemp
+    runs = [d for d in made if Path(d).parent == sb._sandbox_base()]
+    assert r.ok and runs and not any(os.path.exists(d) for d in runs), runs
 
 
 def test_secrets_in_the_environment_are_not_visible(monkeypatch):
