@@ -197,8 +197,8 @@ _PREBUILD_LINES: list[str] = []
 @pytest.hookimpl(tryfirst=True)  # before xdist starts its workers
 def pytest_sessionstart(session):
     config = session.config
-    if not os.environ.get(PREBUILD_ENV) or hasattr(config, "workerinput"):
-        return
+    if not os.environ.get(PREBUILD_ENV) or hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return  # only a tier's xdist controller (a plain `pytest file.py`, e.g. run by a doc snippet, builds on demand)
     import subprocess
     import sys
     import tempfile

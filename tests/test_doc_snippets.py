@@ -295,6 +295,7 @@ def _env(scratch: Path) -> dict:
     env["VENV"] = str(scratch / ".venv")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.pop("PYTEST_CURRENT_TEST", None)
+    env.pop("GRPO_VARIANTS_PREBUILD", None)  # the tier's caches are built; a block's own pytest builds on demand
     return env
 
 
