@@ -232,6 +232,28 @@ def pytest_sessionstart(session):
                               f"{time.monotonic() - started:.0f} s): " + ", ".join(parts))
 
 
+# $GRPO_VARIANTS_TIMELINE=<file>: one JSON line per test (worker, test, start, end: wall-clock seconds), setup and
+# teardown included, appended by every worker: where each worker spent its time and when it idled.
+TIMELINE_ENV = "GRPO_VARIANTS_TIMELINE"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get(TIMELINE_ENV)
+    if not path:
+        yield
+        return
+    import json
+    import time
+
+    start = time.time()
+    yield
+    line = json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid,
+                       "start": round(start, 3), "end": round(time.time(), 3)})
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
 def pytest_report_header(config):
     return _run_setting_lines()
 
