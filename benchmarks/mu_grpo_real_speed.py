@@ -16,8 +16,14 @@ distribution. No held-out evaluation: these few updates say nothing about accura
 
     python benchmarks/mu_grpo_real_speed.py                  # 8 updates of 16 completions per arm
     python benchmarks/mu_grpo_real_speed.py --quick          # pipeline check (2 updates, 8 tokens; temp folder)
+    .venv-vllm/bin/python benchmarks/mu_grpo_real_speed.py --engine both   # HF generate and vLLM, side by side
 
-Writes benchmarks/results/mu_grpo_real_speed.json and .md.
+Writes benchmarks/results/mu_grpo_real_speed.json and .md (``--engine hf``, the default), or
+mu_grpo_real_speed_vllm.json and .md with ``--engine vllm`` / ``both``: the same arms with rollouts from vLLM's
+CPU engine (colocate, eager, float32: the trainer's dtype, one engine shared by the arms, synced before each
+rollout; its start is reported apart, not in any arm's time), in the engine environment (``make setup-vllm``).
+With ``both`` the HF arms run first, in the same process: the end-to-end time per update of on-policy GRPO with
+either engine, and how much of a step is rollout with each.
 """
 
 from __future__ import annotations
@@ -49,8 +55,13 @@ ARMS = ("on_policy_grpo", "stage_batching", "stage_reuse")
 PHASES = ("generation", "reward", "logprobs", "rollout_other", "update_other")
 
 
-def build(arm: str, model: str, dataset, opts, output_dir: str):
-    common = dict(output_dir=output_dir, per_device_train_batch_size=opts.batch, num_generations=opts.group,
+ENGINES = ("hf", "vllm")
+
+
+def build(arm: str, model: str, dataset, opts, output_dir: str, engine: str = "hf"):
+    vllm = (dict(use_vllm=True, vllm_mode="colocate", vllm_enforce_eager=True, vllm_dtype="float32",
+                 vllm_reuse_engine=True) if engine == "vllm" else {})
+    common = dict(**vllm, output_dir=output_dir, per_device_train_batch_size=opts.batch, num_generations=opts.group,
                   max_completion_length=opts.max_new_tokens, learning_rate=opts.lr, lr_scheduler_type="constant",
                   warmup_steps=0, beta=0.0, max_steps=opts.updates, logging_steps=1, save_strategy="no",
                   report_to="none", bf16=False, gradient_checkpointing=False, seed=opts.seed, data_seed=opts.seed,
@@ -65,16 +76,20 @@ def build(arm: str, model: str, dataset, opts, output_dir: str):
     return MuGRPOTrainer(model=model, reward_funcs="math_accuracy", args=config, train_dataset=dataset)
 
 
-def run_arm(arm: str, model: str, dataset, opts) -> dict:
+def run_arm(arm: str, model: str, dataset, opts, engine: str = "hf") -> dict:
     torch.manual_seed(opts.seed)
     with tempfile.TemporaryDirectory(prefix=f"mu-real-{arm}-") as tmp:
-        trainer = build(arm, model, dataset, opts, tmp)
+        built = time.perf_counter()
+        trainer = build(arm, model, dataset, opts, tmp, engine)
+        construction = time.perf_counter() - built  # the engine's start, for the first vLLM arm
         timed = timed_train(trainer)
         tokens = int(trainer._tokens_generated_total)
     history = trainer.state.log_history
     wall, cpu_seconds, rollout, phase = timed["wall"], timed["cpu"], timed["rollout"], timed["phase"]
     return dict(
-        arm=arm, wall_seconds=round(wall, 2), cpu_seconds=round(cpu_seconds, 2),
+        arm=arm, engine=engine, construction_seconds=round(construction, 2),
+        engine_reused=bool(getattr(getattr(trainer, "vllm_generation", None), "engine_reused", False)),
+        wall_seconds=round(wall, 2), cpu_seconds=round(cpu_seconds, 2),
         phase_seconds={k: round(v, 2) for k, v in phase.items()}, rollouts=rollout["calls"],
         sequences=rollout["sequences"], generated_tokens=tokens, optimizer_steps=trainer.state.global_step,
         sequences_per_second=rollout["sequences"] / max(rollout["seconds"], 1e-9),
@@ -126,6 +141,61 @@ def write_markdown(path: Path, result: dict) -> None:
     path.write_text("\n".join(lines))
 
 
+def write_engine_markdown(path: Path, result: dict) -> None:
+    """mu_grpo_real_speed_vllm.md: the arms per rollout engine, side by side."""
+    o = result["options"]
+    runs = result["runs"]
+    by = {(r["engine"], r["arm"]): r for r in runs}
+    names = {"hf": "HF generate", "vllm": "vLLM (eager, float32)"}
+    labels = {"on_policy_grpo": "on-policy GRPO", "stage_batching": "µ-GRPO stage, 1 pass",
+              "stage_reuse": "µ-GRPO stage, 2 passes"}
+    cols = [(r["engine"], r["arm"]) for r in runs]
+    cell = lambda f: " | ".join(f(by[c], c) for c in cols)  # noqa: E731
+    per_update = lambda r: r["wall_seconds"] / max(r["optimizer_steps"], 1)  # noqa: E731
+    rollout = lambda r: r["wall_seconds"] - r["phase_seconds"]["update_other"]  # noqa: E731
+
+    def vs(reference):
+        def f(r, c):
+            ref = by.get(reference(c))
+            return f"{per_update(ref) / per_update(r):.2f}x" if ref else "-"
+        return f
+    lines = [
+        "# µ-GRPO stages and on-policy GRPO with vLLM's CPU engine vs HF generate (SmolLM2-135M-Instruct, speed only)",
+        "",
+        (f"Generated by `benchmarks/mu_grpo_real_speed.py --engine {o['engine']}` on {result['created']}, in the "
+        f"engine environment (vLLM {result.get('vllm_version', '?')}, transformers {result.get('transformers_version', '?')}). "
+        f"**Speed only.** `word_problems` with `math_accuracy`, {o['updates']} optimizer updates of {o['batch']} "
+        f"completions ({o['batch'] // o['group']} prompts x {o['group']}) per arm, ≤ {o['max_new_tokens']} new tokens, "
+        f"beta 0, seed {o['seed']}; the trainer on {result['torch_threads']} torch thread(s), vLLM's CPU engine on the "
+        f"core it binds; 2-core machine, load average at start / end {result['load_start']} / {result['load_end']}. "
+        f"The engine started once ({result.get('engine_start_seconds', 0):.1f} s, in the first vLLM arm's "
+        "construction, not in any arm's time) and was synced before every rollout (the sync is in the rollout time). "
+        "One run per arm, back to back, in one process: indicative, not a distribution."),
+        "",
+        "| metric | " + " | ".join(f"{labels[a]}, {names[e]}" for e, a in cols) + " |",
+        "|---|" + "---|" * len(cols),
+        "| training wall seconds | " + cell(lambda r, c: f"{r['wall_seconds']:.1f}") + " |",
+        "| wall seconds per update | " + cell(lambda r, c: f"{per_update(r):.2f}") + " |",
+        "| rollout share of the wall time | " + cell(lambda r, c: f"{rollout(r) / max(r['wall_seconds'], 1e-9):.0%}") + " |",
+        "| speed-up vs on-policy GRPO, same engine | " + cell(vs(lambda c: (c[0], "on_policy_grpo"))) + " |",
+        "| speed-up vs HF generate, same arm | " + cell(vs(lambda c: ("hf", c[1]))) + " |",
+        "| training CPU seconds (this process) | " + cell(lambda r, c: f"{r['cpu_seconds']:.1f}") + " |",
+        *["| " + f"  {p.replace('_', ' ')} s" + " | " + cell(lambda r, c, p=p: f"{r['phase_seconds'][p]:.1f}") + " |"
+          for p in PHASES],
+        "| rollouts | " + cell(lambda r, c: str(r["rollouts"])) + " |",
+        "| sequences generated | " + cell(lambda r, c: str(r["sequences"])) + " |",
+        "| tokens generated | " + cell(lambda r, c: f"{r['generated_tokens']:,}") + " |",
+        "| rollout tokens/s | " + cell(lambda r, c: f"{r['tokens_per_second']:.1f}") + " |",
+        "",
+        ("The training CPU seconds are this process's; with vLLM the engine's own process does the sampling, so "
+         "they leave most of the generation out: compare wall seconds."),
+        "",
+        f"Command: `{result['command']}`.",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--updates", type=int, default=8)
@@ -136,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--engine", choices=("hf", "vllm", "both"), default="hf",
+                    help="the rollout engine of the arms (vllm / both: in the engine environment, make setup-vllm)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --quick: a temporary one)")
     opts = ap.parse_args(argv)
@@ -143,6 +215,15 @@ def main(argv=None) -> int:
         opts.updates, opts.max_new_tokens = 2, 8
     if (opts.updates * opts.batch // 2) % opts.group or opts.batch % opts.group or opts.updates % 2:
         ap.error("--updates must be even and --batch a multiple of --group (the reuse arm halves the stage)")
+    engines = ENGINES if opts.engine == "both" else (opts.engine,)
+    if "vllm" in engines:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            print("skipped: vLLM is not installed in this environment; run `make setup-vllm`, then "
+                  "`.venv-vllm/bin/python benchmarks/mu_grpo_real_speed.py --engine both` (docs/vllm.md)")
+            return 0
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.set_num_threads(opts.threads)
     model = str(smollm2())
     dataset = word_problems.make_dataset("train", 2000, seed=opts.seed)
@@ -152,17 +233,27 @@ def main(argv=None) -> int:
                   runs=[])
     out = Path(opts.out or (tempfile.mkdtemp(prefix="mu-real-quick-") if opts.quick else HERE / "results"))
     out.mkdir(parents=True, exist_ok=True)
-    name = "mu_grpo_real_speed"
-    for arm in [a for a in opts.arms.split(",") if a]:
-        run = run_arm(arm, model, dataset, opts)
-        print(f"[mu_grpo_real_speed {time.strftime('%H:%M:%S')}] {arm}: wall {run['wall_seconds']:.1f} s, CPU "
-              f"{run['cpu_seconds']:.1f} s, phases {run['phase_seconds']}, {run['sequences_per_second']:.2f} seq/s",
-              flush=True)
-        result["runs"].append(run)
-        result["load_end"] = round(os.getloadavg()[0], 2)
-        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-        if "on_policy_grpo" in {r["arm"] for r in result["runs"]}:
-            write_markdown(out / f"{name}.md", result)
+    name = "mu_grpo_real_speed" if engines == ("hf",) else "mu_grpo_real_speed_vllm"
+    if "vllm" in engines:
+        import transformers
+        import vllm
+
+        result.update(vllm_version=vllm.__version__, transformers_version=transformers.__version__)
+    for engine in engines:
+        for arm in [a for a in opts.arms.split(",") if a]:
+            run = run_arm(arm, model, dataset, opts, engine)
+            if engine == "vllm" and not run["engine_reused"]:
+                result["engine_start_seconds"] = run["construction_seconds"]
+            print(f"[mu_grpo_real_speed {time.strftime('%H:%M:%S')}] {engine} {arm}: wall {run['wall_seconds']:.1f} "
+                  f"s, CPU {run['cpu_seconds']:.1f} s, phases {run['phase_seconds']}, "
+                  f"{run['sequences_per_second']:.2f} seq/s", flush=True)
+            result["runs"].append(run)
+            result["load_end"] = round(os.getloadavg()[0], 2)
+            (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+            if engines == ("hf",) and "on_policy_grpo" in {r["arm"] for r in result["runs"]}:
+                write_markdown(out / f"{name}.md", result)
+            elif engines != ("hf",):
+                write_engine_markdown(out / f"{name}.md", result)
     print((out / f"{name}.md").read_text())
     return 0
 
