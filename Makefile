@@ -38,8 +38,8 @@ sandbox-tools:
 		echo "WARNING: bubblewrap missing and not installable here (needs root and apt); the code sandbox will use its fallback (docs/rewards.md)"; \
 	fi
 
-# pip byte-compiles every installed module on one core (~90 s for torch, transformers, DeepSpeed): the installs run
-# with --no-compile and compileall then compiles the environment on every core (-j 0). The .pyc files must exist:
+# pip byte-compiles every installed module as it installs (~90 s for torch, transformers, DeepSpeed): the installs run
+# with --no-compile and compileall -j 0 then compiles the environment (about 55 s here). The .pyc files must exist:
 # with PYTHONDONTWRITEBYTECODE=1 (set on this project's machines) Python never writes them, and every process would
 # compile each module it imports from source again.
 $(STAMP): pyproject.toml
