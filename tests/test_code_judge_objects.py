@@ -19,6 +19,8 @@ import pytest
 
 from grpo_variants.rewards import harness, make_code_reward
 
+from _process_finder import SEARCH
+
 
 def _d(s: str) -> str:
     return textwrap.dedent(s).lstrip("\n")
@@ -268,51 +270,14 @@ def test_leetcode_style_objects_score_what_python_says(tmp_path):
     assert got == want, [(n, r) for n, g, w, r in zip(names * 2, got, want, reward.last_reasons) if g != w]
 
 
-# The finder of tests/test_code_judge_python.py, on nodes: it searches its whole process (frames, modules,
-# gc.get_objects(), every descriptor) for the sum the expected node holds, and returns a node of what it finds.
-FINDER = _d(
+# The finder of tests/_process_finder.py, on nodes: it searches its whole process (frames, modules, gc.get_objects()
+# and their attributes, every descriptor) for the sum the expected node holds, and returns a node of what it finds.
+FINDER = SEARCH + _d(
     r'''
-    import gc, os, sys
 
     class ListNode:
         def __init__(self, val=0, next=None):
             self.val, self.next = val, next
-
-    def _search(want):
-        text = repr(want).encode()
-        seen = []
-        for f in list(sys._current_frames().values()):
-            while f is not None:
-                seen += [f.f_locals, f.f_globals]
-                f = f.f_back
-        seen += [vars(m) for m in list(sys.modules.values()) if hasattr(m, "__dict__")]
-        seen += gc.get_objects()
-        for o in seen:
-            try:
-                items = list(o.values()) + list(o.keys()) if isinstance(o, dict) else list(o) if isinstance(
-                    o, (list, tuple, set, frozenset)) else [o] + list(vars(o).values()) if hasattr(
-                    o, "__dict__") and not isinstance(o, type) else [o]
-            except Exception:
-                continue
-            for v in items:
-                if v is want or v is text:
-                    continue
-                try:
-                    if type(v) is int and v == want:
-                        return v
-                    if isinstance(v, (str, bytes, bytearray)) and text in (v.encode() if isinstance(v, str) else v):
-                        return want
-                except Exception:
-                    pass
-        for fd in range(0, 256):
-            try:
-                os.set_blocking(fd, False)
-                data = os.read(fd, 1 << 20)
-            except Exception:
-                continue
-            if text in data:
-                return want
-        return None
 
     def sum_list(head):
         found = _search(head.val + head.next.val)  # names what to look for; the value returned is the one found

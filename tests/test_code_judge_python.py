@@ -14,53 +14,18 @@ import pytest
 
 from grpo_variants.rewards import make_code_reward
 
+from _process_finder import SEARCH
+
 
 def _d(s: str) -> str:
     return textwrap.dedent(s).lstrip("\n")
 
 
-# A program with no arithmetic of its own: it looks for the expected value everywhere in its process (every
-# module's globals, every frame of every thread, every object the collector tracks, every string and bytes
-# there, its stdin and every other descriptor) and returns what it finds, else -1. ``_want`` says what the
-# expected value would be (so a found value is the expected one, and nothing is found by accident).
-FINDER = _d(
+# A program with no arithmetic of its own (tests/_process_finder.py): it looks for the expected value everywhere in
+# its process and returns what it finds, else -1. ``_search``'s argument says what the expected value would be (so a
+# found value is the expected one, and nothing is found by accident).
+FINDER = SEARCH + _d(
     r'''
-    import gc, os, sys
-
-    def _search(want, skip):
-        text = repr(want).encode()
-        seen = []
-        for f in list(sys._current_frames().values()):
-            while f is not None:
-                seen += [f.f_locals, f.f_globals]
-                f = f.f_back
-        seen += [vars(m) for m in list(sys.modules.values()) if hasattr(m, "__dict__")]
-        seen += gc.get_objects()
-        for o in seen:
-            try:
-                items = list(o.values()) + list(o.keys()) if isinstance(o, dict) else list(o) if isinstance(
-                    o, (list, tuple, set, frozenset)) else [o]
-            except Exception:
-                continue
-            for v in items:
-                if v is skip or v is want or v is text:  # what it looks for is not what it finds
-                    continue
-                try:
-                    if type(v) is type(want) and v == want:
-                        return v
-                    if isinstance(v, (str, bytes, bytearray)) and text in (v.encode() if isinstance(v, str) else v):
-                        return want
-                except Exception:
-                    pass
-        for fd in range(0, 256):
-            try:
-                os.set_blocking(fd, False)
-                data = os.read(fd, 1 << 20)
-            except Exception:
-                continue
-            if text in data:
-                return want
-        return None
 
     def add(a, b):
         found = _search(a + b, None)  # a + b only names what to look for: the value returned is the one found
