@@ -20,8 +20,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,53 +28,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(model: str, log_path: Path):
-    import requests
-
-    port = _free_port()
-    command = [sys.executable, "-m", "grpo_variants.cli", "vllm-serve", "--model", model, "--port", str(port),
-               "--dtype", "float32", "--enforce-eager", "--", "--max-num-seqs", "16"]
-    log = open(log_path, "w")  # noqa: SIM115  (closed with the server)
-    start = time.perf_counter()
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited: see {log_path}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return server, url, time.perf_counter() - start
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-
-
-def _stop(server) -> None:
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-
-
 def measure(name: str, path: str, syncs: int, workdir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo_variants.rollout.vllm_server import LoopbackVLLMClient
+    from grpo_variants.rollout.vllm_server import LoopbackVLLMClient, ServerProcess
 
-    server, url, started = _start(path, workdir / f"{name}-server.log")
+    server = ServerProcess(path, log_path=workdir / f"{name}-server.log")
     try:
-        client = LoopbackVLLMClient(base_url=url)
+        started = server.wait_ready()
+        client = LoopbackVLLMClient(base_url=server.url)
         client.init_communicator(device="cpu")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         metadata = [(n, str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()]
@@ -104,7 +65,7 @@ def measure(name: str, path: str, syncs: int, workdir: Path) -> dict:
         return {"model": name, "server_start_s": started, "syncs": rows, "max_abs_logprob_gap_vs_transformers": gap,
                 "save_pretrained_s": save_s}
     finally:
-        _stop(server)
+        server.stop()
 
 
 def write_markdown(results: dict, path: Path) -> None:

@@ -30,10 +30,13 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,6 +44,7 @@ __all__ = [
     "CHUNK_BYTES",
     "LoopbackVLLMClient",  # noqa: F822  (built on first use: module __getattr__)
     "LoopbackWeightReceiver",
+    "ServerProcess",
     "build_serve_args",
     "main",
     "receive_tensors",
@@ -347,6 +351,98 @@ def _map_distribution_name() -> None:
         return original(name)
 
     metadata.version = version
+
+
+class ServerProcess:
+    """``grpo-variants vllm-serve`` as a child process on a free port of 127.0.0.1, in a process group of its own.
+
+    For scripts, notebooks, tests and benchmarks that need a server for the length of a run::
+
+        server = ServerProcess(model_path, log_path="server.log")  # float32, eager, 16 sequences at a time
+        try:
+            server.wait_ready()  # seconds from start to a healthy /health
+            GRPOVariantTrainer(..., args=GRPOConfig(use_vllm=True, vllm_mode="server",
+                                                    vllm_server_base_url=server.url, ...)).train()
+        finally:
+            server.stop()  # SIGTERM to the whole group, SIGKILL after ``timeout``; returns when none is left
+
+    ``extra`` is passed to ``vllm serve`` after ``--``.
+    """
+
+    def __init__(self, model, *, log_path, port: int | None = None, dtype: str = "float32",
+                 enforce_eager: bool = True, extra: tuple[str, ...] = ("--max-num-seqs", "16")):
+        if port is None:
+            with socket.socket() as s:
+                s.bind((_LOOPBACK, 0))
+                port = s.getsockname()[1]
+        self.log_path = Path(log_path)
+        self.url = f"http://{_LOOPBACK}:{port}"
+        command = [sys.executable, "-m", "grpo_variants.cli", "vllm-serve", "--model", str(model), "--port", str(port),
+                   "--dtype", dtype, *(["--enforce-eager"] if enforce_eager else []), "--", *extra]
+        self.started = time.perf_counter()
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_ready(self, timeout: float = 600.0) -> float:
+        """Block until the server answers ``/health``; return the seconds since it was started. Raises
+        ``RuntimeError`` (with the log's tail) if it exits or is not up within ``timeout`` seconds."""
+        import requests
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited ({self.process.returncode}):\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - self.started
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no vLLM server at {self.url} after {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(1)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM to the server's process group (its engine core is in it), SIGKILL if it is still up after
+        ``timeout`` seconds; returns once the group is empty (or 30 s more have passed)."""
+        if self.process.poll() is None:
+            os.killpg(self.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while self.live_members() and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def live_members(self) -> list[int]:
+        """The processes of the server's process group still alive (zombies, already dead, are not counted)."""
+        live = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.pid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp
+                live.append(int(entry))
+        return live
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group at once (a clean-up path: no graceful shutdown)."""
+        if self.process.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> int:
