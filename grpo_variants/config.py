@@ -352,9 +352,18 @@ class GRPOVariantConfig(GRPOConfig):
     vllm_reuse_engine: bool = field(
         default=False,
         metadata={
-            "help": "Reuse a colocated vLLM engine started earlier in this process for the same model, dtype and "
-            "context length instead of starting another (36-80 s on CPU); this trainer's weights are synced into it "
-            "before its first rollout. Said in one line."
+            "help": "Reuse a colocated vLLM engine started earlier in this process for the same model, dtype, KV "
+            "cache size and context length instead of starting another (36-80 s on CPU); this trainer's weights are "
+            "synced into it before its first rollout. Said in one line."
+        },
+    )
+    vllm_kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Bytes of KV cache for the colocated vLLM engine (vLLM's kv_cache_memory_bytes), in place of "
+            "the vllm_gpu_memory_utilization fraction (on CPU: of RAM). None: vLLM's rule (on CPU, "
+            "VLLM_CPU_KVCACHE_SPACE in whole GiB when set). When set it wins over VLLM_CPU_KVCACHE_SPACE, and the "
+            "engine's one-line announcement says so. Server mode: pass --kv-cache-memory-bytes to the server."
         },
     )
     # ---- console ---------------------------------------------------------------------------

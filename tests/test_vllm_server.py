@@ -99,6 +99,17 @@ def test_server_mode_refuses_the_colocated_engine_fields():
     with pytest.raises(ConfigError, match="--enforce-eager") as info:
         GRPOVariantConfig(output_dir="o", use_vllm=True, vllm_mode="server", vllm_enforce_eager=True)
     assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="-- --kv-cache-memory-bytes 268435456") as info:
+        GRPOVariantConfig(output_dir="o", use_vllm=True, vllm_mode="server", vllm_kv_cache_memory_bytes=256 << 20)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "256MiB"])
+def test_a_kv_cache_size_that_is_not_a_positive_byte_count_is_refused(value):
+    with pytest.raises(ConfigError, match=r"vllm_kv_cache_memory_bytes=.* must be a positive number of bytes") as info:
+        GRPOVariantConfig(output_dir="o", use_vllm=True, vllm_kv_cache_memory_bytes=value)
+    assert "\n" not in str(info.value)
+    GRPOVariantConfig(output_dir="o", use_vllm=True, vllm_kv_cache_memory_bytes=256 << 20)  # colocate: taken
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: the command would serve")

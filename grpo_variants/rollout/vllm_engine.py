@@ -19,6 +19,10 @@ users and tools reach stay TRL's. What the subclass adds:
   ``"bfloat16"``, ``"float16"``), announced in one line once the engine is up.
 * **Eager engines** (``vllm_enforce_eager=True``: vLLM's ``enforce_eager``, no graph compilation): on CPU the
   engine starts in about 3 s instead of about 45 s (the tests run every engine this way).
+* **The KV cache's size** (``vllm_kv_cache_memory_bytes``: vLLM's ``kv_cache_memory_bytes``), in bytes rather than
+  as a fraction of the device (on CPU, of RAM) or whole GiB (``VLLM_CPU_KVCACHE_SPACE``, which it then overrides,
+  said in the engine's announcement): a small model needs megabytes, and a process that trains beside its engine
+  keeps the rest.
 * **Engine reuse in one process** (``vllm_reuse_engine=True``): a colocated engine started earlier in this
   process for the same model, dtype, context length and parallel layout is reused instead of starting another
   (36-80 s on CPU); each trainer's first rollout syncs its own weights into it (TRL syncs before every first
@@ -121,6 +125,17 @@ def check_vllm_config(args) -> None:
                 "server must run on this machine. Start `grpo-variants vllm-serve --model PATH` here and set "
                 "vllm_server_base_url='http://127.0.0.1:8000' (or vllm_mode='colocate')."
             )
+    kv_bytes = getattr(args, "vllm_kv_cache_memory_bytes", None)
+    if kv_bytes is not None:
+        if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes <= 0:
+            raise ConfigError(f"vllm_kv_cache_memory_bytes={kv_bytes!r} must be a positive number of bytes (e.g. "
+                              "268435456 for 256 MiB), or None for vLLM's own sizing.")
+        if args.vllm_mode != "colocate":
+            raise ConfigError(
+                f"vllm_kv_cache_memory_bytes={kv_bytes}: with vllm_mode='server' the KV cache is the server's; "
+                f"start it with `grpo-variants vllm-serve --model PATH -- --kv-cache-memory-bytes {kv_bytes}` and "
+                "leave vllm_kv_cache_memory_bytes=None."
+            )
     if getattr(args, "vllm_reuse_engine", False) and args.vllm_mode != "colocate":
         raise ConfigError(
             "vllm_reuse_engine=True reuses a colocated engine of this process; with vllm_mode='server' the engine "
@@ -142,9 +157,10 @@ def engine_dtype(llm) -> torch.dtype:
 
 
 def _engine_key(model_path, dtype, max_model_len, tensor_parallel_size, model_impl, quantization,
-                enforce_eager=False) -> tuple:
+                enforce_eager=False, kv_cache_memory_bytes=None) -> tuple:
     path = os.path.realpath(model_path) if os.path.isdir(str(model_path)) else str(model_path)
-    return (path, str(dtype), max_model_len, int(tensor_parallel_size), model_impl, quantization, bool(enforce_eager))
+    return (path, str(dtype), max_model_len, int(tensor_parallel_size), model_impl, quantization, bool(enforce_eager),
+            kv_cache_memory_bytes)
 
 
 def get_engine(model_path, *, dtype: str = "auto", max_model_len=None, max_num_seqs: int | None = 64,
@@ -155,7 +171,8 @@ def get_engine(model_path, *, dtype: str = "auto", max_model_len=None, max_num_s
     Trainers with ``vllm_reuse_engine=True`` take it instead of starting their own; each syncs its weights into
     it before its first rollout. Extra keyword arguments go to ``vllm.LLM`` (only when it is started here).
     """
-    key = _engine_key(model_path, dtype, max_model_len, tensor_parallel_size, model_impl, quantization, enforce_eager)
+    key = _engine_key(model_path, dtype, max_model_len, tensor_parallel_size, model_impl, quantization, enforce_eager,
+                      llm_kwargs.get("kv_cache_memory_bytes"))
     if key not in _ENGINES:
         _ENGINES[key] = start_engine(model_path, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                      tensor_parallel_size=tensor_parallel_size, model_impl=model_impl,
@@ -206,8 +223,10 @@ def _generation_class():
         """TRL's ``VLLMGeneration`` with an exact CPU colocated sync, a chosen engine dtype and engine reuse."""
 
         def __init__(self, *args, dtype: str = "auto", reuse_engine: bool = False, enforce_eager: bool = False,
-                     **kwargs):
+                     kv_cache_memory_bytes: int | None = None, **kwargs):
             self.dtype = dtype
+            self.kv_cache_memory_bytes = kv_cache_memory_bytes
+            self.kv_cache_env_overridden = None  # VLLM_CPU_KVCACHE_SPACE's value when the field replaced it
             self.enforce_eager = enforce_eager
             self.reuse_engine = reuse_engine
             self.engine_reused = False
@@ -217,7 +236,7 @@ def _generation_class():
         # ---- construction ------------------------------------------------------------------------
         def _engine_key(self):
             return _engine_key(self.model.name_or_path, self.dtype, self.max_model_length, self.tensor_parallel_size,
-                               self.model_impl, None, self.enforce_eager)
+                               self.model_impl, None, self.enforce_eager, self.kv_cache_memory_bytes)
 
         def _init_vllm(self):
             if self.mode == "server":
@@ -245,8 +264,19 @@ def _generation_class():
                     self._llm_weights_sleeping = False
                     self.accelerator.wait_for_everyone()
                     return None
-            with _llm_defaults(dtype=self.dtype, enforce_eager=self.enforce_eager):
-                super()._init_vllm()
+            extra = dict(dtype=self.dtype, enforce_eager=self.enforce_eager)
+            saved = None
+            if self.kv_cache_memory_bytes is not None:
+                extra["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+                # vLLM's CPU platform would replace it by VLLM_CPU_KVCACHE_SPACE: the field asked for wins
+                saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+                self.kv_cache_env_overridden = saved
+            try:
+                with _llm_defaults(**extra):
+                    super()._init_vllm()
+            finally:
+                if saved is not None:
+                    os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
             if self.reuse_engine and self.tensor_parallel_size == 1 and self.accelerator.num_processes == 1:
                 _ENGINES.setdefault(self._engine_key(), self.llm)
             return None
@@ -277,8 +307,13 @@ def _generation_class():
             reuse = (" reused from earlier in this process (this trainer's weights are synced into it before its "
                      "first rollout)" if self.engine_reused else "")
             eager = ", eager (vllm_enforce_eager=True)" if self.enforce_eager else ""
-            return (f"vLLM engine ({where}): dtype {dtype} (vllm_dtype={self.dtype!r}, {how}){eager}{reuse}; set "
-                    "vllm_dtype to change it.")
+            kv = ""
+            if self.kv_cache_memory_bytes is not None:
+                kv = f", KV cache {self.kv_cache_memory_bytes / 2**20:.0f} MiB (vllm_kv_cache_memory_bytes"
+                kv += (f"; VLLM_CPU_KVCACHE_SPACE={self.kv_cache_env_overridden} ignored)"
+                       if self.kv_cache_env_overridden is not None else ")")
+            return (f"vLLM engine ({where}): dtype {dtype} (vllm_dtype={self.dtype!r}, {how}){eager}{kv}{reuse}; "
+                    "set vllm_dtype to change it.")
 
         # ---- weight sync ---------------------------------------------------------------------------
         def sync_weights(self):
@@ -321,7 +356,8 @@ def variant_vllm_generation(args):
     original = module.VLLMGeneration
     module.VLLMGeneration = functools.partial(cls, dtype=getattr(args, "vllm_dtype", "auto"),
                                               reuse_engine=getattr(args, "vllm_reuse_engine", False),
-                                              enforce_eager=getattr(args, "vllm_enforce_eager", False))
+                                              enforce_eager=getattr(args, "vllm_enforce_eager", False),
+                                              kv_cache_memory_bytes=getattr(args, "vllm_kv_cache_memory_bytes", None))
     try:
         yield
     finally:
