@@ -60,7 +60,8 @@ ENGINES = ("hf", "vllm")
 
 def build(arm: str, model: str, dataset, opts, output_dir: str, engine: str = "hf"):
     vllm = (dict(use_vllm=True, vllm_mode="colocate", vllm_enforce_eager=True, vllm_dtype="float32",
-                 vllm_reuse_engine=True) if engine == "vllm" else {})
+                 vllm_reuse_engine=True, vllm_kv_cache_memory_bytes=512 << 20)  # float32: 46 KB/token, 8192 tokens
+            if engine == "vllm" else {})
     common = dict(**vllm, output_dir=output_dir, per_device_train_batch_size=opts.batch, num_generations=opts.group,
                   max_completion_length=opts.max_new_tokens, learning_rate=opts.lr, lr_scheduler_type="constant",
                   warmup_steps=0, beta=0.0, max_steps=opts.updates, logging_steps=1, save_strategy="no",
@@ -187,8 +188,13 @@ def write_engine_markdown(path: Path, result: dict) -> None:
         "| tokens generated | " + cell(lambda r, c: f"{r['generated_tokens']:,}") + " |",
         "| rollout tokens/s | " + cell(lambda r, c: f"{r['tokens_per_second']:.1f}") + " |",
         "",
-        ("The training CPU seconds are this process's; with vLLM the engine's own process does the sampling, so "
-         "they leave most of the generation out: compare wall seconds."),
+        ("The training CPU seconds are this process's: the colocated engine runs in it (TRL's colocate mode, "
+         "vLLM's external launcher), so they include the sampling. \"logprobs s\" is the trainer's forward pass "
+         "over each rollout that TRL runs when the completions come from vLLM (the old log-probs of its "
+         "importance-sampling correction, `vllm_importance_sampling_correction`); with HF generate and one update "
+         "per rollout TRL skips it (the old log-probs are the current ones). The engine generates faster than HF "
+         "generate here (generation s), and that forward pass takes back more than the difference at this size "
+         "(24 new tokens); µ-GRPO's stages pay it once per stage."),
         "",
         f"Command: `{result['command']}`.",
         "",
@@ -223,7 +229,6 @@ def main(argv=None) -> int:
             print("skipped: vLLM is not installed in this environment; run `make setup-vllm`, then "
                   "`.venv-vllm/bin/python benchmarks/mu_grpo_real_speed.py --engine both` (docs/vllm.md)")
             return 0
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.set_num_threads(opts.threads)
     model = str(smollm2())
     dataset = word_problems.make_dataset("train", 2000, seed=opts.seed)
