@@ -425,6 +425,8 @@ class ServerProcess:
 
     def live_members(self) -> list[int]:
         """The processes of the server's process group still alive (zombies, already dead, are not counted)."""
+        if not os.path.isdir("/proc"):  # no procfs (not Linux): the group is gone once the server is reaped
+            return [] if self.process.poll() is not None else [self.pid]
         live = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
