@@ -132,8 +132,9 @@ ENGINE_TIER_XFAIL = {
 
 @pytest.fixture(autouse=True)
 def _engines_freed(request):
-    """Engine tier: TRL's vLLM tests build an engine each and keep no reference to it after the test; collect it
-    and hand the freed heap back to the system before the next, so the process does not grow test by test."""
+    """Engine tier: after each of TRL's vLLM tests, collect what it left (compiled graphs, the engine) and hand the
+    freed heap back to the system. The trainer itself is not freed (a trainer that used vLLM stays alive, about
+    0.3 GB each here: docs/vllm.md), so the process still grows test by test; hence three such tests per process."""
     yield
     if VLLM_INSTALLED and "vllm" in request.node.name:
         import ctypes
