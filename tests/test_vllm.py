@@ -206,6 +206,26 @@ def test_a_model_vllm_cannot_load_here_is_refused_at_construction_in_one_line(ki
     assert vllm_engine._ENGINES == engines
 
 
+def test_vllm_serve_refuses_a_model_vllm_cannot_load_here_before_starting(kit, tmp_path, capsys, monkeypatch):
+    """The same check in `grpo-variants vllm-serve`: one line and exit 2, before vLLM's server is started."""
+    from grpo_variants.rollout import vllm_server
+
+    model = _tiny_gemma3(tmp_path / "gemma3", kit.model_path)
+    import vllm.entrypoints.cli.main as vllm_cli
+
+    def no_server():
+        raise AssertionError("vLLM's server was started before the model was checked")
+
+    monkeypatch.setattr(vllm_cli, "main", no_server)
+    if _torchvision_loads():
+        assert vllm_server._load_problem(str(model)) is None
+        return
+    assert vllm_server.main(["--model", str(model)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("grpo-variants vllm-serve: error: vLLM cannot load Gemma3ForConditionalGeneration")
+    assert "'torchvision'" in error
+
+
 def test_engine_dtype_is_announced_in_one_line_and_chosen(shared_engine, kit, tmp_path, caplog):
     trainer = _toy_trainer("grpo", tmp_path, kit)
     generation = trainer.vllm_generation

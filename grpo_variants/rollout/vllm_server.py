@@ -447,6 +447,20 @@ class ServerProcess:
             self.process.wait(timeout=30)
 
 
+def _load_problem(model: str) -> str | None:
+    """Why vLLM cannot load ``model`` here (a missing package its vLLM module imports), checked before the server
+    starts; None when it can, or when the model's config cannot be read here (vLLM then reports it itself)."""
+    from transformers import AutoConfig
+
+    from grpo_variants.rollout.vllm_engine import vllm_load_problem
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except Exception:  # noqa: BLE001  (vLLM reads it again and says what is wrong)
+        return None
+    return vllm_load_problem(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -459,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("grpo-variants vllm-serve: error: vLLM is not installed in this environment (on CPU: `make setup-vllm`, "
               "then run it with .venv-vllm/bin/grpo-variants; docs/vllm.md).", file=sys.stderr)
+        return 2
+    problem = _load_problem(ns.model)
+    if problem:
+        print(f"grpo-variants vllm-serve: error: {problem}", file=sys.stderr)
         return 2
     from vllm.platforms import current_platform
 
