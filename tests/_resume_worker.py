@@ -11,6 +11,9 @@
   With ``--variants a,b,...`` (and ``--out ROOT``) it resumes each variant's run in ROOT/<variant>/run, one
   after the other in this one process (tests/test_resume.py: one interpreter start for all the resumes); a
   variant whose resume raises writes ROOT/<variant>/run/resume_error.txt and the next one runs.
+* ``--kill-each --variants a,b,... --out ROOT --hang-after-save K``: for each variant, a forked child trains the
+  reference and the run that hangs after checkpoint-K, and is SIGKILLed there (tests/test_resume.py: one
+  interpreter start for all the kills); how each ended is in ROOT/kills.json.
 * ``--marker-at-step N`` writes ``OUT/step.marker`` at the end of optimizer step N and holds
   that step's end until a signal has arrived (the signal test then sends SIGTERM), so the signal
   lands at a known step. ``--slow-reward S`` sleeps S seconds in every reward call.
@@ -165,6 +168,58 @@ def resume_each(opts) -> int:
     return 0
 
 
+def kill_each(opts) -> int:
+    """``--kill-each --variants a,b,... --out ROOT --hang-after-save K``: for each variant, a child process (forked
+    from this one, so the interpreter and its imports start once) trains the reference in ROOT/<variant>/reference,
+    then the same run in ROOT/<variant>/run until checkpoint-K is saved and hangs; this process SIGKILLs it then (a
+    real kill: no handler, no clean-up). How each child ended is written to ROOT/kills.json; its output is in
+    ROOT/<variant>/first.log."""
+    import signal
+    import traceback
+
+    assert opts.hang_after_save and not opts.resume, "--kill-each needs --hang-after-save K (and no --resume)"
+    root, report = Path(opts.out), {}
+    for variant in opts.variants.split(","):
+        folder = root / variant
+        run, reference = folder / "run", folder / "reference"
+        run.mkdir(parents=True, exist_ok=True)
+        reference.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: the two runs of main(), with its output in first.log
+            code = 1
+            try:
+                log = os.open(folder / "first.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                child = argparse.Namespace(**{**vars(opts), "variant": variant, "variants": ""})
+                train_once(child, reference, hooks=False, resume=False)
+                train_once(child, run, hooks=True, resume=False)
+                print("the run finished: it should have hung after checkpoint", opts.hang_after_save)
+            except BaseException:  # noqa: BLE001  (reported through first.log and the exit status)
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        marker, deadline, status = run / "hang.marker", time.monotonic() + opts.kill_timeout, None
+        while not marker.exists() and time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            status = None
+            time.sleep(0.1)
+        if status is None:  # still running: hung after the checkpoint (or past the deadline)
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+        report[variant] = {"hang_marker": marker.exists(),
+                           "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                           "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None}
+    (root / "kills.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
 def _with_nan_loss(trainer_cls, step: int, rank: int):
     """The loss *value* becomes NaN at optimizer step ``step`` (1-based) on process ``rank`` only; the gradient
     stays finite, so only the all-reduced loss flag makes every process skip that update together."""
@@ -195,9 +250,15 @@ def main(argv=None):
     parser.add_argument("--nan-at-step", type=int, default=0, help="NaN loss value at this step (1-based)")
     parser.add_argument("--nan-rank", type=int, default=0, help="... on this process only")
     parser.add_argument("--extra", default="", help="JSON dict of extra config fields")
-    parser.add_argument("--variants", default="", help="with --resume: resume ROOT/<variant>/run for each")
+    parser.add_argument("--variants", default="", help="with --resume: resume ROOT/<variant>/run for each; with "
+                        "--kill-each: train and kill each")
+    parser.add_argument("--kill-each", action="store_true", help="fork a child per variant, SIGKILL it after "
+                        "checkpoint --hang-after-save (see kill_each)")
+    parser.add_argument("--kill-timeout", type=float, default=420.0, help="--kill-each: seconds per variant")
     opts = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if opts.kill_each:
+        return kill_each(opts)
     if opts.variants:
         return resume_each(opts)
     out = Path(opts.out)

@@ -101,24 +101,17 @@ def _assert_same_run(reference: Path, resumed: Path, steps: int, atol: float, ck
 
 
 # ------------------------------------------------------------------------------------------------
-# Real kill, every variant (slow: three short trainings per variant; one killed process per variant, then one
-# process resumes them all: an interpreter start per variant is most of the cost of a toy run)
+# Real kill, every variant (slow: three short trainings per variant). An interpreter start with its imports is
+# most of the cost of a toy run, so one worker process starts once and forks a child per variant, which trains
+# and is SIGKILLed after checkpoint-K; then one process resumes them all.
 # ------------------------------------------------------------------------------------------------
-def _train_then_kill_after_checkpoint(variant: str, folder: Path) -> None:
-    """The reference run, then the same run SIGKILLed right after checkpoint-K is on disk (one process)."""
-    reference, run = folder / "reference", folder / "run"
-    folder.mkdir(parents=True)
-    log = folder / "first.log"
-    cmd = [sys.executable, str(WORKER), "--variant", variant, "--out", str(run), "--reference", str(reference),
-           "--max-steps", str(2 * K), "--save-steps", str(K), "--hang-after-save", str(K)]
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_worker_env())
-    try:
-        _wait_for(run / "hang.marker", proc, log)
-    finally:
-        proc.send_signal(signal.SIGKILL)  # a real kill: no handler, no cleanup
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+def _check_killed(variant: str, folder: Path, ended: dict | None) -> None:
+    """The child ran to checkpoint-K, was SIGKILLed there, and left checkpoint-K complete and nothing after it."""
+    run, log = folder / "run", folder / "first.log"
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+    assert ended is not None, f"{variant}: no kill was recorded:\n{tail}"
+    assert ended["hang_marker"], f"{variant}: the run ended before checkpoint-{K} was saved ({ended}):\n{tail}"
+    assert ended["signal"] == signal.SIGKILL, f"{variant}: not ended by SIGKILL ({ended}):\n{tail}"
     assert (run / f"checkpoint-{K}").is_dir() and not (run / f"checkpoint-{2 * K}").exists()
     assert (run / f"checkpoint-{K}" / STATE_FILE.format(rank=0)).is_file()
     assert not (run / "result.json").exists()
@@ -126,14 +119,18 @@ def _train_then_kill_after_checkpoint(variant: str, folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def killed_then_resumed(toy_model_path, tmp_path_factory):
-    """Every variant trained and killed after checkpoint-K (a process each), then resumed to 2K in one process.
-    A variant whose kill phase fails keeps its failure for its own test; the others still resume."""
+    """Every variant trained and SIGKILLed after checkpoint-K (a forked child each), then resumed to 2K in one
+    process. A variant whose kill phase fails keeps its failure for its own test; the others still resume."""
     root = tmp_path_factory.mktemp("resume_after_sigkill")
+    _run([sys.executable, str(WORKER), "--kill-each", "--variants", ",".join(VARIANTS), "--out", str(root),
+          "--max-steps", str(2 * K), "--save-steps", str(K), "--hang-after-save", str(K)], root / "kill.log",
+         timeout=120.0 + 300 * len(VARIANTS))
+    ended = json.loads((root / "kills.json").read_text())
     failed: dict[str, BaseException] = {}
     for variant in VARIANTS:
         try:
-            _train_then_kill_after_checkpoint(variant, root / variant)
-        except BaseException as exc:  # pytest.fail raises a BaseException
+            _check_killed(variant, root / variant, ended.get(variant))
+        except AssertionError as exc:
             failed[variant] = exc
     killed = [v for v in VARIANTS if v not in failed]
     if killed:
