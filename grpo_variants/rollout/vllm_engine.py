@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 
@@ -197,7 +198,28 @@ def start_engine(model_path, *, dtype: str = "auto", max_model_len=None, max_num
         dtype=dtype, enforce_eager=enforce_eager,
     )
     settings.update(llm_kwargs)
-    return LLM(**settings)
+    try:
+        return LLM(**settings)
+    finally:
+        _undo_engine_gc_freeze()
+
+
+def _undo_engine_gc_freeze() -> None:
+    """Give back to the garbage collector what starting a colocated engine froze.
+
+    vLLM's ``EngineCore.__init__`` ends with ``freeze_gc_heap()`` (vllm/v1/engine/core.py:247, vLLM 0.31:
+    ``gc.collect()`` then ``gc.freeze()``, "to reduce pause times" of a serving process), and a colocated engine's
+    core runs in the trainer's process. Every object alive at that moment moves to the permanent generation, which
+    the cyclic garbage collector never scans: the trainer being built (its callbacks refer back to it), its model,
+    its accelerator (``_models`` = [model]) and its ``VLLMGeneration``; their cycles are then never freed, and
+    ``gc.get_referrers`` does not see frozen objects (the model looked held by a one-element list that nothing
+    referred to: the accelerator's ``_models``). vLLM undoes it only in ``EngineCore.shutdown()``, which an engine
+    kept for the trainer's life never reaches. Unfrozen right after the engine starts, a trainer is freed once its
+    last reference goes, as one without vLLM is. The whole permanent generation is given back, as vLLM's own
+    shutdown does: a freeze is only a pause-time saving, and one made before (by another engine started with
+    ``vllm.LLM`` directly, say) would keep every object then alive, a trainer among them, from being collected.
+    """
+    gc.unfreeze()
 
 
 def release_engines() -> None:
@@ -277,6 +299,7 @@ def _generation_class():
             finally:
                 if saved is not None:
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+                _undo_engine_gc_freeze()
             if self.reuse_engine and self.tensor_parallel_size == 1 and self.accelerator.num_processes == 1:
                 _ENGINES.setdefault(self._engine_key(), self.llm)
             return None
