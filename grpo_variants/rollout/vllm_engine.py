@@ -46,7 +46,7 @@ import os
 import torch
 
 from grpo_variants.errors import ConfigError
-from grpo_variants.rollout.vllm_weights import reprocess_tied_layers
+from grpo_variants.rollout.vllm_weights import reprocess_tied_layers, unlink_reload_metadata
 
 __all__ = [
     "VLLM_DTYPES",
@@ -346,6 +346,7 @@ def _generation_class():
             runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
             runner.reload_weights(weights_iterator=self._iter_named_params())
             reprocess_tied_layers(runner.model)
+            unlink_reload_metadata(runner.model)  # else vLLM's reload records keep the engine's model alive
             self.llm.reset_prefix_cache()
             return None
 
