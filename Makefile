@@ -111,8 +111,9 @@ LOWER_BOUND_LOG := $(VENV_VLLM)/lower-bound-tests.log
 # CPU: their upstream skip ("We should add a mock for the vLLM server") is lifted where vLLM is installed (TRL 1.16's
 # default mode is colocate); the reduced Qwen2.5-0.5B-Instruct stand-in is theirs; the accelerator, bitsandbytes
 # and VLM ones stay skipped with their reasons. VLLM_CPU_KVCACHE_SPACE=1: TRL's tests size the KV cache by
-# vllm_gpu_memory_utilization, on CPU 0.3 of RAM per engine. Three tests per pytest process: a trainer that used
-# vLLM is not freed when the test ends (docs/vllm.md), and a fourth would take the process past 4 GB.
+# vllm_gpu_memory_utilization, on CPU 0.3 of RAM per engine. A trainer that used vLLM is freed when its test ends
+# (docs/vllm.md); each engine still leaves about 0.15 GB (vLLM's tokenizer copies): five of these tests in one
+# process peaked at 3.71 GB, so the split below is for the two cores, no longer for memory.
 # Two sequences side by side (about 300 s each), each vLLM process bound to a core of its own (vLLM binds the
 # process that runs a colocated engine; "auto" would put both on the same core): our engine tests, then three of
 # TRL's; and TRL's other three, then the core fast tests on the lowest transformers (LOWER_BOUND_TESTS).

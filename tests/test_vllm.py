@@ -15,6 +15,7 @@ import gc
 import math
 import os
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -485,6 +486,60 @@ def test_padding_free_and_process_supervision_with_engine_rollouts(setting, shar
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A finished trainer is freed; the shared engine serves the next one
+# ---------------------------------------------------------------------------------------------------------------
+def _reload_records_refer_to_their_layers(llm) -> list[str]:
+    """Names of the engine's layers whose vLLM reload record (LAYERWISE_INFO) refers back to the layer."""
+    from types import MethodType
+
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    linked = []
+    for name, layer in vllm_engine.engine_model(llm).named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        for tensors in (info.restore_metadata if info is not None else ()):
+            for tensor in tensors.values():
+                for value in tensor.__dict__.values():
+                    while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
+                        value = value.__wrapped__
+                        linked.append(name)
+                    if isinstance(value, MethodType) and value.__self__ is layer:
+                        linked.append(name)
+    return sorted(set(linked))
+
+
+def test_a_trained_trainer_is_freed_and_the_shared_engine_serves_the_next(shared_engine, kit, tmp_path):
+    """After ``del`` and ``gc.collect()`` a trainer that trained (and synced) with the shared engine is gone, its
+    model with it: the engine's start left no frozen heap (vLLM's gc.freeze() is undone) and its reload records
+    do not keep the engine's layers alive. The next trainer's rollouts from the same engine are its own policy's."""
+    trainer = _toy_trainer("grpo", tmp_path / "first", kit, learning_rate=1e-2, lr_scheduler_type="constant")
+    assert trainer.vllm_generation.llm is shared_engine
+    trainer.train()
+    assert trainer.vllm_generation.sync_count == 2
+    refs = [weakref.ref(x) for x in (trainer, trainer.model, trainer.vllm_generation, trainer.accelerator)]
+    del trainer
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+    assert gc.get_freeze_count() == 0
+    assert _reload_records_refer_to_their_layers(shared_engine) == []
+
+    following = _toy_trainer("grpo", tmp_path / "next", kit, learning_rate=1e-2, lr_scheduler_type="constant")
+    assert following.vllm_generation.llm is shared_engine and following.vllm_generation.engine_reused
+    following.train()
+    gaps = _logged(following, "sampling/sampling_logp_difference/mean")
+    assert len(gaps) == 2 and max(gaps) < NOISE, gaps  # each rollout sampled from this trainer's policy
+    following.vllm_generation.sync_weights()
+    sequences = _sequences(following, kit.train)
+    synced = _prompt_logps(shared_engine, sequences)
+    with torch.no_grad():
+        local = []
+        for seq in sequences:
+            logits = following.model(torch.tensor([seq])).logits[0, :-1].float().log_softmax(-1)
+            local.append(logits.gather(1, torch.tensor(seq[1:]).view(-1, 1)).flatten())
+    assert _gap(synced, local) <= EXACT  # float32 engine vs transformers: float noise
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Server mode on CPU: `grpo-variants vllm-serve`, weights streamed over loopback
 # ---------------------------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------------------------
@@ -507,6 +562,12 @@ def test_sync_is_exact_with_the_default_compiled_engine(shared_engine, kit, tmp_
     synced = _prompt_logps(generation.llm, sequences)
     fresh = _fresh_engine_logps(trainer.model, kit.model_path, tmp_path / "fresh", sequences)
     assert _gap(synced, fresh) <= EXACT
+    # the trainer that started this engine is freed with its last reference (vLLM froze the heap, with the trainer
+    # in it, when the engine started: undone), while the engine stays kept for reuse
+    refs = [weakref.ref(trainer), weakref.ref(trainer.model)]
+    del trainer, generation
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
 
 
 # ---------------------------------------------------------------------------------------------------------------

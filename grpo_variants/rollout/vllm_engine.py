@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 
 import torch
 
 from grpo_variants.errors import ConfigError
-from grpo_variants.rollout.vllm_weights import reprocess_tied_layers, vllm_load_problem
+from grpo_variants.rollout.vllm_weights import reprocess_tied_layers, unlink_reload_metadata, vllm_load_problem
 
 __all__ = [
     "VLLM_DTYPES",
@@ -214,7 +215,28 @@ def start_engine(model_path, *, dtype: str = "auto", max_model_len=None, max_num
         dtype=dtype, enforce_eager=enforce_eager,
     )
     settings.update(llm_kwargs)
-    return LLM(**settings)
+    try:
+        return LLM(**settings)
+    finally:
+        _undo_engine_gc_freeze()
+
+
+def _undo_engine_gc_freeze() -> None:
+    """Give back to the garbage collector what starting a colocated engine froze.
+
+    vLLM's ``EngineCore.__init__`` ends with ``freeze_gc_heap()`` (vllm/v1/engine/core.py:247, vLLM 0.31:
+    ``gc.collect()`` then ``gc.freeze()``, "to reduce pause times" of a serving process), and a colocated engine's
+    core runs in the trainer's process. Every object alive at that moment moves to the permanent generation, which
+    the cyclic garbage collector never scans: the trainer being built (its callbacks refer back to it), its model,
+    its accelerator (``_models`` = [model]) and its ``VLLMGeneration``; their cycles are then never freed, and
+    ``gc.get_referrers`` does not see frozen objects (the model looked held by a one-element list that nothing
+    referred to: the accelerator's ``_models``). vLLM undoes it only in ``EngineCore.shutdown()``, which an engine
+    kept for the trainer's life never reaches. Unfrozen right after the engine starts, a trainer is freed once its
+    last reference goes, as one without vLLM is. The whole permanent generation is given back, as vLLM's own
+    shutdown does: a freeze is only a pause-time saving, and one made before (by another engine started with
+    ``vllm.LLM`` directly, say) would keep every object then alive, a trainer among them, from being collected.
+    """
+    gc.unfreeze()
 
 
 def release_engines() -> None:
@@ -295,6 +317,7 @@ def _generation_class():
             finally:
                 if saved is not None:
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+                _undo_engine_gc_freeze()
             if self.reuse_engine and self.tensor_parallel_size == 1 and self.accelerator.num_processes == 1:
                 _ENGINES.setdefault(self._engine_key(), self.llm)
             return None
@@ -341,6 +364,7 @@ def _generation_class():
             runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
             runner.reload_weights(weights_iterator=self._iter_named_params())
             reprocess_tied_layers(runner.model)
+            unlink_reload_metadata(runner.model)  # else vLLM's reload records keep the engine's model alive
             self.llm.reset_prefix_cache()
             return None
 

@@ -161,9 +161,10 @@ ENGINE_TIER_XFAIL = {
 
 @pytest.fixture(autouse=True)
 def _engines_freed(request):
-    """Engine tier: after each of TRL's vLLM tests, collect what it left (compiled graphs, the engine) and hand the
-    freed heap back to the system. The trainer itself is not freed (a trainer that used vLLM stays alive, about
-    0.3 GB each here: docs/vllm.md), so the process still grows test by test; hence three such tests per process."""
+    """Engine tier: after each of TRL's vLLM tests, collect what it left (compiled graphs, its trainer and the
+    engine, freed since vLLM's heap freeze and reload records are undone: docs/vllm.md) and hand the freed heap back
+    to the system. Each engine still leaves vLLM's tokenizer copies (about 0.15 GB for the reduced Qwen), so the
+    process grows a little test by test: five such tests in one process peaked at 3.71 GB."""
     yield
     if VLLM_INSTALLED and "vllm" in request.node.name:
         import ctypes
