@@ -137,7 +137,7 @@ def shared_engine(kit, tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Construction: sleep mode, dtype
+# Construction: sleep mode, models vLLM cannot load here, dtype
 # ---------------------------------------------------------------------------------------------------------------
 def test_sleep_mode_refused_on_cpu_in_one_line():
     with pytest.raises(ConfigError, match="vllm_enable_sleep_mode") as info:
@@ -539,9 +539,6 @@ def test_a_trained_trainer_is_freed_and_the_shared_engine_serves_the_next(shared
     assert _gap(synced, local) <= EXACT  # float32 engine vs transformers: float noise
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Server mode on CPU: `grpo-variants vllm-serve`, weights streamed over loopback
-# ---------------------------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------------------------
 # vLLM's default engine (compiled: torch.compile on CPU), as a user who sets only use_vllm=True gets it
 # ---------------------------------------------------------------------------------------------------------------
